@@ -1,0 +1,128 @@
+"""The connector's configuration, parsed once from ``kv_connector_extra_config``.
+
+Neither connector half reads the extra config itself: both receive an
+``AioConfig``. Unknown keys and values of the wrong type or outside the
+accepted set fail at start, naming the key and what is accepted, because a
+typo (``"backed": "mooncake"``) silently falling back to defaults is the worst
+kind of misconfiguration for a cache: everything works, nothing hits.
+
+Environment variables (documented in the README) override the extra config:
+``VLLM_AIO_BACKEND`` and ``VLLM_AIO_LOCAL_POOL_SIZE``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+BACKENDS = ("local",)
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*$", re.IGNORECASE)
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the key."""
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an int or a string like "4GB", "512MB", "1.5GB" (binary units)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size such as 4294967296 or '4GB', got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        unit = m.group(2).upper()
+        unit = unit if unit.endswith("B") or unit == "" else unit + "B"
+        size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    else:
+        raise ConfigError(
+            f"{key}: expected a size such as 4294967296 or '4GB' (units B, KB, MB, GB, TB), "
+            f"got {value!r}"
+        )
+    if size <= 0:
+        raise ConfigError(f"{key}: must be positive, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    # Which pooled store holds the blocks: the embedded host pool by default.
+    backend: str = "local"
+    # Bytes of host memory of the embedded pool (int or "4GB").
+    local_pool_size: int = 4 << 30
+    # Instances on one host that set the same name share one embedded pool
+    # (e.g. a prefill and a decode instance); unset, the pool is private.
+    local_pool_name: str | None = None
+    # A kv_consumer loads from the pool unless this is false.
+    consumer_is_to_load: bool = True
+    # A kv_consumer also stores what it computes.
+    consumer_is_to_put: bool = False
+    # Also store blocks filled by generated tokens, not only the prompt's.
+    save_decode_cache: bool = False
+    # Only whole blocks are stored (see parse_extra_config for why).
+    discard_partial_chunks: bool = True
+    # Mixed into every key: instances with different salts never share blocks.
+    salt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend: expected one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not self.discard_partial_chunks:
+            raise ConfigError(
+                "discard_partial_chunks: only true is accepted: keys come from vLLM's "
+                "block hashes, which exist for whole blocks only"
+            )
+        if self.local_pool_name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.local_pool_name):
+            raise ConfigError(
+                "local_pool_name: expected 1-64 characters from A-Z a-z 0-9 _ . -, "
+                f"got {self.local_pool_name!r}"
+            )
+
+    @property
+    def shared_across_instances(self) -> bool:
+        """Whether another vLLM instance may read what this one stores."""
+        return self.backend != "local" or self.local_pool_name is not None
+
+
+_ENV_OVERRIDES = {"VLLM_AIO_BACKEND": "backend", "VLLM_AIO_LOCAL_POOL_SIZE": "local_pool_size"}
+_SIZE_KEYS = {"local_pool_size"}
+
+
+def _check_type(key: str, value: Any, field: dataclasses.Field) -> Any:
+    if key in _SIZE_KEYS:
+        return parse_size(key, value)
+    expected = field.type
+    if expected == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    elif expected == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+    elif expected == "str | None":
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string or null, got {value!r}")
+    return value
+
+
+def parse_extra_config(
+    extra: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> AioConfig:
+    """Build the config from ``kv_connector_extra_config`` and the environment."""
+    environ = os.environ if environ is None else environ
+    fields = {f.name: f for f in dataclasses.fields(AioConfig)}
+    unknown = sorted(set(extra) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(unknown)} in kv_connector_extra_config; "
+            f"accepted keys: {', '.join(sorted(fields))}"
+        )
+    values = {key: _check_type(key, value, fields[key]) for key, value in extra.items()}
+    for env, key in _ENV_OVERRIDES.items():
+        if env in environ:
+            values[key] = _check_type(env, environ[env], fields[key])
+    return AioConfig(**values)

@@ -1,0 +1,131 @@
+"""Build small random-weight Llama models locally (nothing is downloaded).
+
+Tests, the demo and the benchmarks need a real Hugging Face checkpoint that
+vLLM can serve, but no model hub is reachable at run time. We train a byte-level
+BPE tokenizer on synthetic text in-process and save a Llama with random weights.
+
+Random weights at the default init give degenerate greedy output (one token
+repeated), which would make "cached == uncached" checks meaningless, so the
+init scale is raised until greedy continuations vary (checked by the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+_WORDS = (
+    "pool cache block layer token prefix host device store load save key hash "
+    "engine request worker scheduler memory buffer stream event copy page shard "
+    "rank tensor model batch step decode prefill chunk queue thread lease master"
+).split()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a generated model; the defaults make the tests' tiny model."""
+
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    vocab_size: int = 2048
+    max_positions: int = 8192
+    init_std: float = 0.08
+    seed: int = 0
+
+
+PRESETS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec(),
+    # A few hundred million parameters: prefill costs real time on a CPU,
+    # which is what a pool hit is supposed to save.
+    "medium": ModelSpec(
+        num_layers=16,
+        hidden_size=1536,
+        num_heads=12,
+        num_kv_heads=4,
+        intermediate_size=4096,
+        vocab_size=8192,
+        init_std=0.03,
+    ),
+}
+
+
+def synthetic_corpus(num_lines: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [
+        " ".join(rng.choice(_WORDS) + str(rng.randrange(100)) for _ in range(12))
+        for _ in range(num_lines)
+    ]
+
+
+def build_tokenizer(out: Path, vocab_size: int, seed: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(synthetic_corpus(4000, seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(out)
+
+
+def build_model(out: Path, spec: ModelSpec) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(spec.seed)
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_positions,
+        initializer_range=spec.init_std,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def ensure_model(out: Path, spec: ModelSpec) -> Path:
+    """Build the model at `out` unless an identical one is already there."""
+    out = Path(out)
+    stamp = out / "vllm_aio_spec.json"
+    wanted = json.dumps(asdict(spec), sort_keys=True)
+    if stamp.exists() and stamp.read_text() == wanted:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, spec.vocab_size, spec.seed)
+    build_model(out, spec)
+    stamp.write_text(wanted)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    args = parser.parse_args()
+    print(ensure_model(args.out, PRESETS[args.preset]))
+
+
+if __name__ == "__main__":
+    main()
