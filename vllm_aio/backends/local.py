@@ -1,0 +1,82 @@
+"""The embedded backend: a host-memory pool private to one vLLM instance.
+
+It needs no service: the pool lives in shared memory that the engine-core
+process (scheduler) and every worker process map (see ``pool/host_pool.py``
+for the mechanism and its cost). Instances on one host share a pool by giving
+it the same ``local_pool_name``; otherwise its name is the instance's engine id.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+from vllm_aio.backends.base import Backend, Segment, Status
+from vllm_aio.pool.host_pool import SharedHostPool, slots_for
+
+
+class LocalBackend(Backend):
+    def __init__(self, name: str, pool_bytes: int, value_bytes: int) -> None:
+        self.pool = SharedHostPool(name, value_bytes, slots_for(pool_bytes, value_bytes))
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return self.pool.contains(keys)
+
+    def batch_put(
+        self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]
+    ) -> list[Status]:
+        out: list[Status] = []
+        filled_keys, filled_slots = [], []
+        for key, segs, slot in zip(keys, segments, self.pool.reserve(keys)):
+            if slot is None:
+                out.append(Status.EXISTS)
+            elif slot < 0:
+                out.append(Status.NO_SPACE)
+            elif _total(segs) != self.pool.slot_size:
+                self.pool.abandon([slot])
+                out.append(Status.ERROR)
+            else:
+                _copy_in(self.pool.slot_address(slot), segs)
+                filled_keys.append(key)
+                filled_slots.append(slot)
+                out.append(Status.OK)
+        for key, won in zip(filled_keys, self.pool.commit(filled_keys, filled_slots)):
+            if not won:  # another process stored it while we copied
+                out[keys.index(key)] = Status.EXISTS
+        return out
+
+    def batch_get(
+        self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]
+    ) -> list[Status]:
+        out: list[Status] = []
+        for segs, pinned in zip(segments, self.pool.pin_for_read(keys)):
+            if pinned is None:
+                out.append(Status.MISSING)
+            elif _total(segs) != self.pool.slot_size:
+                out.append(Status.CORRUPT)
+            else:
+                slot, version = pinned
+                _copy_out(self.pool.slot_address(slot), segs)
+                # Evicted and rewritten while we copied: the bytes are torn.
+                ok = self.pool.still_valid(slot, version)
+                out.append(Status.OK if ok else Status.CORRUPT)
+        return out
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def _total(segments: Sequence[Segment]) -> int:
+    return sum(size for _, size in segments)
+
+
+def _copy_in(dst: int, segments: Sequence[Segment]) -> None:
+    for addr, size in segments:
+        ctypes.memmove(dst, addr, size)
+        dst += size
+
+
+def _copy_out(src: int, segments: Sequence[Segment]) -> None:
+    for addr, size in segments:
+        ctypes.memmove(addr, src, size)
+        src += size

@@ -1,0 +1,145 @@
+"""``AioConnector``: the vLLM V1 connector facade.
+
+vLLM builds it twice: once with the SCHEDULER role in the engine-core process
+and once per worker with the WORKER role. This class only parses the config,
+builds the half that matches the role, and routes vLLM's calls to it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from vllm_aio.backends import create_backend
+from vllm_aio.config import parse_extra_config
+from vllm_aio.connector.deployment import build_deployment
+from vllm_aio.connector.metadata import AioConnectorMetadata
+from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.connector.stats import AioConnectorStats, AioPromMetrics
+from vllm_aio.connector.worker import AioWorker
+from vllm_aio.log import get_logger
+from vllm_aio.pool.keys import RankCoord
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)
+
+
+class AioConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        cfg = parse_extra_config(transfer.kv_connector_extra_config)
+        dep = build_deployment(vllm_config, kv_cache_config, cfg)
+        backend = create_backend(cfg, dep.pool_name, dep.value_bytes)
+        self._scheduler: AioScheduler | None = None
+        self._worker: AioWorker | None = None
+        self._num_blocks = kv_cache_config.num_blocks
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = AioScheduler(dep, backend)
+            _log_start(cfg, dep, transfer)
+        else:
+            self._worker = AioWorker(dep, backend, _rank_coord())
+
+    # ---- worker side -------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        self._worker.register_kv_caches(kv_caches, self._num_blocks)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> AioConnectorStats | None:
+        return self._worker.take_stats() if self._worker else None
+
+    def shutdown(self) -> None:
+        half = self._worker or self._scheduler
+        if half is not None:
+            half.close()
+
+    def _meta(self) -> AioConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AioConnectorMetadata)
+        return meta
+
+    # ---- scheduler side ----------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> AioConnectorStats:
+        return AioConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> AioPromMetrics:
+        return AioPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _rank_coord() -> RankCoord:
+    from vllm.distributed import parallel_state as ps
+
+    return RankCoord(
+        tp=ps.get_tensor_model_parallel_rank(),
+        pp=ps.get_pp_group().rank_in_group,
+        pcp=ps.get_pcp_group().rank_in_group,
+        dcp=ps.get_dcp_group().rank_in_group,
+    )
+
+
+def _log_start(cfg, dep, transfer) -> None:
+    logger.info(
+        "vllm_aio: AioConnector role=%s backend=%s pool=%s size=%.2fGiB load=%s save=%s "
+        "save_decode_cache=%s block_size=%d block_bytes=%d namespace=%s (%s)",
+        transfer.kv_role,
+        cfg.backend,
+        dep.pool_name,
+        cfg.local_pool_size / 2**30,
+        dep.load_enabled,
+        dep.save_enabled,
+        dep.save_decode_cache,
+        dep.block_size,
+        dep.value_bytes,
+        dep.namespace.digest(),
+        dep.namespace,
+    )
+    if transfer.kv_load_failure_policy != "recompute":
+        logger.warning(
+            "vllm_aio: kv_load_failure_policy=%r: a block evicted between lookup and load fails "
+            "its request; set \"kv_load_failure_policy\": \"recompute\" to recompute it instead",
+            transfer.kv_load_failure_policy,
+        )

@@ -1,0 +1,94 @@
+"""Facts about the vLLM deployment that both connector halves derive identically.
+
+Both halves receive the same ``VllmConfig`` and ``KVCacheConfig``; deriving the
+key namespace, block size and value size here, once, guarantees the scheduler
+looks up exactly the keys the workers store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.config import VllmConfig
+from vllm.platforms import current_platform
+from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from vllm_aio.config import AioConfig, ConfigError
+from vllm_aio.pool.keys import Namespace
+
+# vLLM's xxhash variants seed each process randomly: a key stored by one
+# process would never be found by another.
+_PORTABLE_HASHES = ("sha256", "sha256_cbor")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    namespace: Namespace
+    block_size: int  # tokens per block, as hashed by vLLM
+    layer_names: tuple[str, ...]
+    value_bytes: int  # one rank's bytes of one block, all layers
+    load_enabled: bool
+    save_enabled: bool
+    save_decode_cache: bool
+    pool_name: str  # the embedded pool's name (local backend)
+
+
+def build_deployment(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: AioConfig
+) -> Deployment:
+    cache = vllm_config.cache_config
+    if cache.prefix_caching_hash_algo not in _PORTABLE_HASHES:
+        raise ConfigError(
+            f"prefix_caching_hash_algo: AioConnector needs one of {', '.join(_PORTABLE_HASHES)} "
+            f"(got {cache.prefix_caching_hash_algo!r}); xxhash seeds differ per process, so "
+            "no stored block could ever be found again"
+        )
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"AioConnector supports models with one KV cache group; this model has {len(groups)} "
+            "(hybrid attention)"
+        )
+    spec = groups[0].kv_cache_spec
+    layers = tuple(groups[0].layer_names)
+    parallel = vllm_config.parallel_config
+    namespace = Namespace(
+        model=str(vllm_config.model_config.model),
+        dtype=str(vllm_config.model_config.dtype),
+        kv_cache_dtype=str(cache.cache_dtype),
+        block_size=spec.block_size,
+        kv_layout=str(kv_cache_config.kv_cache_layout),
+        attn_isa=_attention_isa(vllm_config, spec),
+        tp_size=parallel.tensor_parallel_size,
+        pp_size=parallel.pipeline_parallel_size,
+        pcp_size=parallel.prefill_context_parallel_size,
+        dcp_size=parallel.decode_context_parallel_size,
+        group=0,
+        salt=cfg.salt,
+    )
+    role = vllm_config.kv_transfer_config.kv_role
+    return Deployment(
+        namespace=namespace,
+        block_size=spec.block_size,
+        layer_names=layers,
+        value_bytes=spec.page_size_bytes * len(layers),
+        load_enabled=role == "kv_both" or (role == "kv_consumer" and cfg.consumer_is_to_load),
+        save_enabled=role in ("kv_both", "kv_producer")
+        or (role == "kv_consumer" and cfg.consumer_is_to_put),
+        save_decode_cache=cfg.save_decode_cache,
+        pool_name=cfg.local_pool_name or f"engine-{vllm_config.kv_transfer_config.engine_id}",
+    )
+
+
+def _attention_isa(vllm_config: VllmConfig, spec) -> str:
+    """The CPU attention kernel's packing of a block; "-" off the CPU."""
+    if not current_platform.is_cpu():
+        return "-"
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        return _get_attn_isa(
+            vllm_config.model_config.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype
+        )
+    except (NotImplementedError, AttributeError):
+        return "cpu"

@@ -1,0 +1,31 @@
+"""What the scheduler half tells the worker half each step (pickled across processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class BlockTransfer:
+    """Blocks of one request to move between vLLM's KV cache and the pool."""
+
+    req_id: str
+    block_ids: list[int]  # vLLM block ids (the request's only KV cache group)
+    block_hashes: list[bytes]  # vLLM's chained hash of each block, same order
+
+
+@dataclass
+class LookupCounts:
+    """Pool lookups of requests admitted since the previous step."""
+
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+
+
+@dataclass
+class AioConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+    lookups: LookupCounts = field(default_factory=LookupCounts)

@@ -1,0 +1,168 @@
+"""The scheduler half: decides which blocks to load from and save to the pool.
+
+It runs in vLLM's engine-core process and never touches KV bytes. Per step it
+turns vLLM's scheduling decisions into an ``AioConnectorMetadata``: the blocks
+each request loads before its forward (pool hits beyond vLLM's own prefix
+cache) and the blocks that become full during the forward and get saved.
+
+Saves complete inside the same step (the worker's ``wait_for_save``), before
+vLLM can free or reuse a block, so ``request_finished`` never has to hold
+blocks back: there is no pending state that could keep blocks alive forever.
+"""
+
+from __future__ import annotations
+
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm_aio.backends import Backend
+from vllm_aio.connector.deployment import Deployment
+from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, LookupCounts
+from vllm_aio.log import get_logger
+from vllm_aio.pool.keys import all_rank_coords, block_key
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class _LoadPlan:
+    local_tokens: int  # vLLM's own prefix-cache hit, block aligned
+    hit_tokens: int  # tokens available once the pool blocks are loaded
+
+
+@dataclass
+class _Tracker:
+    """A running request: its block ids and how many of its blocks were handed to saves."""
+
+    request: "Request"
+    block_ids: list[int] = field(default_factory=list)
+    num_saved_blocks: int = 0
+
+
+class AioScheduler:
+    def __init__(self, deployment: Deployment, backend: Backend) -> None:
+        self._dep = deployment
+        self._backend = backend
+        digest = deployment.namespace.digest()
+        self._shards = [(digest, c.shard) for c in all_rank_coords(deployment.namespace)]
+        # req_id -> latest lookup answer; replaced on every call (idempotent).
+        self._plans: dict[str, _LoadPlan] = {}
+        # Loads decided by update_state_after_alloc, sent with the next metadata.
+        self._pending_loads: list[BlockTransfer] = []
+        self._trackers: dict[str, _Tracker] = {}
+        self._lookups = LookupCounts()
+
+    # ---- lookup ----------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        if not self._dep.load_enabled:
+            return 0, False
+        bs = self._dep.block_size
+        hashes = request.block_hashes
+        first = num_computed_tokens // bs
+        hit_blocks = first + self._count_leading_hits(hashes[first:])
+        hit_tokens = min(hit_blocks * bs, request.num_tokens - 1)  # the last token is always computed
+        new_tokens = max(0, hit_tokens - num_computed_tokens)
+        if new_tokens == 0:
+            self._plans.pop(request.request_id, None)
+            return 0, False
+        self._plans[request.request_id] = _LoadPlan(num_computed_tokens, hit_tokens)
+        return new_tokens, False
+
+    def _count_leading_hits(self, hashes: list[bytes]) -> int:
+        if not hashes:
+            return 0
+        keys = [block_key(d, s, h) for h in hashes for d, s in self._shards]
+        try:
+            present = self._backend.batch_exists(keys)
+        except Exception as exc:  # the pool is down: serve everything by recompute
+            logger.warning("vllm_aio: pool lookup failed, treating as a miss: %s", exc)
+            return 0
+        per_block = len(self._shards)
+        for i in range(len(hashes)):
+            if not all(present[i * per_block : (i + 1) * per_block]):
+                return i
+        return len(hashes)
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        self._trackers.setdefault(req_id, _Tracker(request))
+        plan = self._plans.pop(req_id, None)
+        prompt_tokens = request.num_prompt_tokens
+        if num_external_tokens == 0 or plan is None:
+            self._lookups.miss_tokens += prompt_tokens
+            return
+        bs = self._dep.block_size
+        first = plan.local_tokens // bs
+        last = -(-(plan.local_tokens + num_external_tokens) // bs)
+        block_ids = blocks.get_block_ids()[0]
+        self._pending_loads.append(
+            BlockTransfer(req_id, list(block_ids[first:last]), list(request.block_hashes[first:last]))
+        )
+        self._lookups.hit_tokens += num_external_tokens
+        self._lookups.miss_tokens += prompt_tokens - plan.local_tokens - num_external_tokens
+
+    # ---- per step --------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> AioConnectorMetadata:
+        for req_id in scheduler_output.finished_req_ids:
+            self._trackers.pop(req_id, None)
+        meta = AioConnectorMetadata(loads=self._pending_loads, lookups=self._lookups)
+        self._pending_loads, self._lookups = [], LookupCounts()
+        for new in scheduler_output.scheduled_new_reqs:
+            tracker = self._trackers[new.req_id]
+            tracker.block_ids = list(new.block_ids[0])
+            tracker.num_saved_blocks = 0
+            self._plan_save(meta, tracker, new.num_computed_tokens, scheduler_output)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracker = self._trackers[req_id]
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted: a fresh block list
+                tracker.block_ids = list(new_ids[0]) if new_ids else []
+                tracker.num_saved_blocks = 0
+            elif new_ids:
+                tracker.block_ids.extend(new_ids[0])
+            self._plan_save(meta, tracker, cached.num_computed_tokens[i], scheduler_output)
+        return meta
+
+    def _plan_save(
+        self,
+        meta: AioConnectorMetadata,
+        tracker: _Tracker,
+        num_computed_tokens: int,
+        scheduler_output: "SchedulerOutput",
+    ) -> None:
+        """Hand the blocks this step fills to the worker; the pool skips known ones."""
+        if not self._dep.save_enabled:
+            return
+        request = tracker.request
+        done_tokens = num_computed_tokens + scheduler_output.num_scheduled_tokens[request.request_id]
+        if not self._dep.save_decode_cache:
+            done_tokens = min(done_tokens, request.num_prompt_tokens)
+        full = min(done_tokens // self._dep.block_size, len(request.block_hashes), len(tracker.block_ids))
+        start = tracker.num_saved_blocks
+        if full <= start:
+            return
+        meta.saves.append(
+            BlockTransfer(
+                request.request_id,
+                tracker.block_ids[start:full],
+                list(request.block_hashes[start:full]),
+            )
+        )
+        tracker.num_saved_blocks = full
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, None]:
+        # Saves finished within the step that computed the blocks.
+        self._trackers.pop(request.request_id, None)
+        return False, None
+
+    def close(self) -> None:
+        self._backend.close()
