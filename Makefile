@@ -42,7 +42,7 @@ syspkgs:
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  $(SUDO)apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO)apt-get install -y -q $$missing; \
+	  $(SUDO)env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
 	fi
 
 # Random-weight Llama + in-process tokenizer (nothing is downloaded). The builder

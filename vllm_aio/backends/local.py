@@ -3,7 +3,8 @@
 It needs no service: the pool lives in shared memory that the engine-core
 process (scheduler) and every worker process map (see ``pool/host_pool.py``
 for the mechanism and its cost). Instances on one host share a pool by giving
-it the same ``local_pool_name``; otherwise its name is the instance's engine id.
+it the same ``local_pool_name``; otherwise its name is the instance's engine id
+and it is sealed (unlinked) once the last of its processes has attached.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from vllm_aio.pool.host_pool import SharedHostPool, slots_for
 
 
 class LocalBackend(Backend):
-    def __init__(self, name: str, pool_bytes: int, value_bytes: int) -> None:
+    def __init__(self, name: str, pool_bytes: int, value_bytes: int, seal: bool) -> None:
         self.pool = SharedHostPool(name, value_bytes, slots_for(pool_bytes, value_bytes))
+        if seal:
+            self.pool.seal()
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self.pool.contains(keys)

@@ -46,11 +46,12 @@ class AioConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         cfg = parse_extra_config(transfer.kv_connector_extra_config)
         dep = build_deployment(vllm_config, kv_cache_config, cfg)
-        backend = create_backend(cfg, dep.pool_name, dep.value_bytes)
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        backend = create_backend(cfg, dep.pool_name, dep.value_bytes, last_attacher=is_scheduler)
         self._scheduler: AioScheduler | None = None
         self._worker: AioWorker | None = None
         self._num_blocks = kv_cache_config.num_blocks
-        if role == KVConnectorRole.SCHEDULER:
+        if is_scheduler:
             self._scheduler = AioScheduler(dep, backend)
             _log_start(cfg, dep, transfer)
         else:

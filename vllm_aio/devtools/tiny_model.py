@@ -24,6 +24,10 @@ _WORDS = (
 ).split()
 
 
+# Bump when the builder's output changes, so existing model folders are rebuilt.
+BUILDER_VERSION = 2
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shape of a generated model; the defaults make the tests' tiny model."""
@@ -56,11 +60,17 @@ PRESETS: dict[str, ModelSpec] = {
 
 
 def synthetic_corpus(num_lines: int, seed: int) -> list[str]:
+    """Domain words mixed with random letter strings: enough distinct pairs for
+    BPE to fill the whole vocabulary, so every model token id decodes to text."""
     rng = random.Random(seed)
-    return [
-        " ".join(rng.choice(_WORDS) + str(rng.randrange(100)) for _ in range(12))
-        for _ in range(num_lines)
-    ]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+
+    def word() -> str:
+        if rng.random() < 0.3:
+            return rng.choice(_WORDS)
+        return "".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
+
+    return [" ".join(word() for _ in range(12)) for _ in range(num_lines)]
 
 
 def build_tokenizer(out: Path, vocab_size: int, seed: int) -> None:
@@ -79,6 +89,8 @@ def build_tokenizer(out: Path, vocab_size: int, seed: int) -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+    if len(fast) != vocab_size:
+        raise RuntimeError(f"tokenizer has {len(fast)} tokens, the model {vocab_size}")
     fast.save_pretrained(out)
 
 
@@ -109,7 +121,7 @@ def ensure_model(out: Path, spec: ModelSpec) -> Path:
     """Build the model at `out` unless an identical one is already there."""
     out = Path(out)
     stamp = out / "vllm_aio_spec.json"
-    wanted = json.dumps(asdict(spec), sort_keys=True)
+    wanted = json.dumps({**asdict(spec), "builder": BUILDER_VERSION}, sort_keys=True)
     if stamp.exists() and stamp.read_text() == wanted:
         return out
     out.mkdir(parents=True, exist_ok=True)

@@ -7,9 +7,12 @@ one file in ``/dev/shm`` that every process maps:
 
     header | hash index (key -> slot) | per-slot metadata | slot data
 
-* No service and no port: the first process to attach creates the file, the
-  last to detach unlinks it; attached pids are listed in the header so a pool
-  whose processes all died is swept by the next one created on this host.
+* No service and no port: the first process to attach creates the file. A
+  private pool is unlinked as soon as its last process (vLLM's scheduler,
+  created after the workers) has attached, so the kernel frees it when they
+  exit, even when killed. A pool shared by name is unlinked by the last
+  process to detach; attached pids are listed in its header, so one whose
+  processes all died is swept by the next pool created on this host.
 * Every value has the same size (one rank's bytes of one KV block), so memory
   is an array of fixed slots: no fragmentation, O(1) allocation, and eviction
   is "least recently used READY slot".
@@ -179,6 +182,17 @@ class SharedHostPool:
             self._header[_H_NUM_SLOTS] = num_slots
             self._header[_H_TABLE_SIZE] = layout.table_size
             self._header[_H_MAGIC] = _MAGIC
+
+    def seal(self) -> None:
+        """Unlink the pool's name now; attached processes keep their mappings.
+
+        For a pool no other process will attach to: its memory then returns to
+        the system when the last attached process exits, however it exits
+        (vLLM's default shutdown kills workers without running our close).
+        """
+        with self._locked():
+            self.path.unlink(missing_ok=True)
+            Path(f"{self.path}.lock").unlink(missing_ok=True)
 
     def close(self) -> None:
         """Detach; the last process attached unlinks the pool."""

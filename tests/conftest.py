@@ -1,0 +1,126 @@
+"""Shared fixtures: the local tiny model, real engines in subprocesses, CI rules.
+
+Under ``CI`` a missing prerequisite (vLLM, the model builder's libraries) is a
+failure, never a skip: a green CI run must mean the real thing ran.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = Path(__file__).resolve().parent / "engine_runner.py"
+# Greedy logprobs of pool-served prompts match recompute to this absolute
+# tolerance: the bytes are identical, only the kernels that consume them
+# (prefill vs. the short remaining chunk) differ.
+LOGPROB_TOLERANCE = 0.05
+
+
+def require(module: str):
+    """Import a prerequisite; in CI its absence fails the test instead of skipping."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI requires {module}: {exc}")
+        pytest.skip(f"{module} not installed: {exc}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    require("vllm")
+    from vllm_aio.devtools.tiny_model import PRESETS, ensure_model
+
+    return ensure_model(ROOT / "models" / "tiny", PRESETS["tiny"])
+
+
+@dataclass
+class Engine:
+    """Runs real vLLM engines, each in a process of its own."""
+
+    model: Path
+    workdir: Path
+
+    def run(self, rounds: list[list[list[int]]], kv_transfer_config: dict | None = None,
+            env: dict[str, str] | None = None, timeout: float = 300, **spec) -> list[list[dict]]:
+        name = uuid.uuid4().hex[:8]
+        spec_path, result_path = self.workdir / f"{name}.json", self.workdir / f"{name}.out.json"
+        log_path = self.workdir / f"{name}.log"
+        spec_path.write_text(json.dumps(
+            {"model": str(self.model), "rounds": rounds, "kv_transfer_config": kv_transfer_config, **spec}
+        ))
+        # vLLM picks its OpenMP thread count differently with and without a
+        # connector; a different count changes float rounding, so pin it.
+        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0",
+                    "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+                    "PYTHONPATH": f"{ROOT}:{RUNNER.parent}", **(env or {})}
+        with open(log_path, "w") as log:
+            proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(result_path)],
+                                  env=full_env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        self.last_log = log_path.read_text()
+        assert proc.returncode == 0, f"engine failed ({log_path}):\n{self.last_log[-4000:]}"
+        return json.loads(result_path.read_text())["rounds"]
+
+
+@pytest.fixture
+def engine(tiny_model: Path, tmp_path: Path) -> Engine:
+    return Engine(tiny_model, tmp_path)
+
+
+def aio_config(role: str = "kv_both", module: str = "vllm_aio.connector",
+               connector: str = "AioConnector", **extra) -> dict:
+    return {
+        "kv_connector": connector,
+        "kv_connector_module_path": module,
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def assert_same_generation(got: list[dict], want: list[dict]) -> None:
+    """Same greedy tokens, logprobs within LOGPROB_TOLERANCE, prompt by prompt."""
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g["token_ids"] == w["token_ids"], f"prompt {i}: tokens differ"
+        worst = max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"]))
+        assert worst <= LOGPROB_TOLERANCE, f"prompt {i}: logprob differs by {worst}"
+
+
+def make_prompts(seed: int, lengths: list[int], vocab: int = 2048) -> list[list[int]]:
+    """Random token-id prompts (ids 3.. skip the special tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+# Every prompt the end-to-end tests send; the no-connector baseline runs them once.
+PROMPTS = {
+    "warm": make_prompts(1, [400, 1000, 2000]),
+    "pd": make_prompts(2, [700, 1500]),
+    "pd_new": make_prompts(3, [600]),
+    "small_pool": make_prompts(4, [900, 1100, 1300]),
+    "faults": make_prompts(5, [800, 1200]),
+}
+
+
+@pytest.fixture(scope="session")
+def baseline(tiny_model: Path, tmp_path_factory) -> dict[str, list[dict]]:
+    """What vLLM generates with no connector, per prompt set.
+
+    Each set runs as a batch of its own, as in the tests: batch composition
+    changes chunking and thus float rounding, which can flip a near-tie token.
+    """
+    names = list(PROMPTS)
+    rounds = Engine(tiny_model, tmp_path_factory.mktemp("baseline")).run([PROMPTS[n] for n in names])
+    return dict(zip(names, rounds))

@@ -1,0 +1,64 @@
+"""AioConnector with faults injected at the backend boundary, for end-to-end tests.
+
+Loaded by real vLLM through ``kv_connector_module_path: faulty_connector``;
+``AIO_FAULT`` picks the fault. Everything else (vLLM, the connector, the
+embedded pool) is the real thing.
+
+- ``lost_and_torn``: on load, the 3rd block of each request is reported
+  MISSING (evicted after lookup) and the 5th is filled with garbage and
+  reported CORRUPT (torn read); vLLM must recompute both.
+- ``silent_garbage``: the 3rd block is filled with garbage but reported OK:
+  a negative control proving the tests notice wrong KV.
+- ``pool_down``: every backend call raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from vllm_aio.backends import Status
+from vllm_aio.connector import AioConnector
+
+
+class _FaultyBackend:
+    def __init__(self, inner, fault: str) -> None:
+        self.inner, self.fault = inner, fault
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _down(self) -> None:
+        if self.fault == "pool_down":
+            raise ConnectionError("injected: pool unreachable")
+
+    def batch_exists(self, keys):
+        self._down()
+        return self.inner.batch_exists(keys)
+
+    def batch_put(self, keys, segments):
+        self._down()
+        return self.inner.batch_put(keys, segments)
+
+    def batch_get(self, keys, segments):
+        self._down()
+        statuses = self.inner.batch_get(keys, segments)
+        if len(keys) > 2:
+            _scribble(segments[2])
+            statuses[2] = Status.OK if self.fault == "silent_garbage" else Status.MISSING
+        if len(keys) > 4 and self.fault == "lost_and_torn":
+            _scribble(segments[4])
+            statuses[4] = Status.CORRUPT
+        return statuses
+
+
+def _scribble(segments) -> None:
+    for address, size in segments:
+        ctypes.memset(address, 0x3C, size)
+
+
+class FaultyAioConnector(AioConnector):
+    def __init__(self, vllm_config, role, kv_cache_config):
+        super().__init__(vllm_config, role, kv_cache_config)
+        half = self._worker or self._scheduler
+        half._backend = _FaultyBackend(half._backend, os.environ["AIO_FAULT"])

@@ -1,0 +1,114 @@
+"""Unit tests of ``vllm_aio.connector.block_layout.BlockLayout``: segment addresses and sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_aio.connector.block_layout import BlockLayout
+
+NUM_BLOCKS = 6
+
+
+def block_major(num_blocks: int = NUM_BLOCKS, dtype=torch.bfloat16) -> torch.Tensor:
+    """``[num_blocks, 2, 32, 128]``: K and V of a block side by side."""
+    return torch.zeros(num_blocks, 2, 32, 128, dtype=dtype)
+
+
+def kv_split(num_blocks: int = NUM_BLOCKS, dtype=torch.float16) -> torch.Tensor:
+    """``[2, num_blocks, 32, 8, 16]``: all K blocks, then all V blocks."""
+    return torch.zeros(2, num_blocks, 32, 8, 16, dtype=dtype)
+
+
+def test_block_major_layer_gives_one_segment_per_block_at_the_block_address():
+    t = block_major()
+    layout = BlockLayout({"l0": t}, ["l0"], NUM_BLOCKS)
+    for b in range(NUM_BLOCKS):
+        assert layout.segments(b) == [(t[b].data_ptr(), t[b].nbytes)]
+
+
+def test_kv_split_layer_gives_a_k_and_a_v_segment_per_block():
+    t = kv_split()
+    layout = BlockLayout({"l0": t}, ["l0"], NUM_BLOCKS)
+    for b in range(NUM_BLOCKS):
+        assert layout.segments(b) == [
+            (t[0, b].data_ptr(), t[0, b].nbytes),
+            (t[1, b].data_ptr(), t[1, b].nbytes),
+        ]
+
+
+def test_block_bytes_sum_every_layers_share_of_one_block():
+    a, b = block_major(), kv_split()
+    layout = BlockLayout({"a": a, "b": b}, ["a", "b"], NUM_BLOCKS)
+    assert layout.block_bytes == a[0].nbytes + 2 * b[0, 0].nbytes
+    assert layout.block_bytes == sum(size for _, size in layout.segments(3))
+
+
+def test_segments_follow_the_given_layer_order():
+    a, b = block_major(), block_major()
+    layout = BlockLayout({"a": a, "b": b}, ["b", "a"], NUM_BLOCKS)
+    assert layout.segments(2) == [(b[2].data_ptr(), b[2].nbytes), (a[2].data_ptr(), a[2].nbytes)]
+
+
+def test_layers_absent_from_layer_names_are_ignored():
+    a, b = block_major(), block_major()
+    layout = BlockLayout({"a": a, "b": b}, ["a"], NUM_BLOCKS)
+    assert layout.segments(0) == [(a[0].data_ptr(), a[0].nbytes)]
+
+
+def test_segments_of_a_block_address_exactly_its_bytes():
+    t = block_major(dtype=torch.float32)
+    t[4].fill_(1.0)
+    layout = BlockLayout({"l": t}, ["l"], NUM_BLOCKS)
+    [(addr, size)] = layout.segments(4)
+    first = (addr - t.data_ptr()) // t.element_size()
+    flat = t.view(-1)
+    assert flat[first : first + size // t.element_size()].eq(1.0).all()
+    assert flat.eq(1.0).sum() == size // t.element_size()
+
+
+def test_view_whose_blocks_are_strided_but_contiguous_inside_is_accepted():
+    base = torch.zeros(NUM_BLOCKS, 3, 32, 128, dtype=torch.float16)
+    t = base[:, :2]  # a padded block: blocks are 3 pages apart, 2 pages long
+    layout = BlockLayout({"l": t}, ["l"], NUM_BLOCKS)
+    assert layout.segments(5) == [(t[5].data_ptr(), t[5].nbytes)]
+
+
+def test_non_contiguous_block_major_layer_raises_naming_the_layer():
+    t = torch.zeros(2, 32, NUM_BLOCKS, 128).permute(2, 0, 1, 3)  # [num_blocks, 2, 32, 128], strided
+    with pytest.raises(ValueError, match=r"layer model.layers.7.attn"):
+        BlockLayout({"model.layers.7.attn": t}, ["model.layers.7.attn"], NUM_BLOCKS)
+
+
+def test_non_contiguous_kv_split_layer_raises_naming_the_layer():
+    t = torch.zeros(2, 32, NUM_BLOCKS, 8, 16).transpose(1, 2)  # [2, num_blocks, 32, 8, 16], strided
+    with pytest.raises(ValueError, match=r"layer kv_b"):
+        BlockLayout({"kv_a": kv_split(), "kv_b": t}, ["kv_a", "kv_b"], NUM_BLOCKS)
+
+
+def test_layer_with_no_block_dimension_raises_naming_the_layer():
+    t = torch.zeros(3, NUM_BLOCKS + 1, 16)
+    with pytest.raises(ValueError, match=r"layer odd.*not supported"):
+        BlockLayout({"odd": t}, ["odd"], NUM_BLOCKS)
+
+
+def test_memory_spans_of_block_major_layer_cover_the_tensor():
+    t = block_major()
+    layout = BlockLayout({"l": t}, ["l"], NUM_BLOCKS)
+    assert layout.memory_spans() == [(t.data_ptr(), t.nbytes)]
+
+
+def test_memory_spans_of_kv_split_layer_cover_k_and_v():
+    t = kv_split()
+    layout = BlockLayout({"l": t}, ["l"], NUM_BLOCKS)
+    assert layout.memory_spans() == [(t[0].data_ptr(), t[0].nbytes), (t[1].data_ptr(), t[1].nbytes)]
+    assert sum(size for _, size in layout.memory_spans()) == t.nbytes
+
+
+def test_every_segment_lies_inside_a_memory_span():
+    layout = BlockLayout({"a": block_major(), "b": kv_split()}, ["a", "b"], NUM_BLOCKS)
+    spans = layout.memory_spans()
+    for block in range(NUM_BLOCKS):
+        for addr, size in layout.segments(block):
+            assert any(start <= addr and addr + size <= start + length for start, length in spans)
+

@@ -1,0 +1,105 @@
+"""End to end on real vLLM (CPU build) with the embedded pool.
+
+Each engine runs in a process of its own (see conftest.Engine). vLLM's own
+prefix cache is off in every run, so a cached token can only come from the pool.
+"""
+
+from __future__ import annotations
+
+import glob
+import uuid
+
+import pytest
+
+from conftest import PROMPTS, aio_config, assert_same_generation, require
+
+
+def _cached_fraction(result: dict) -> float:
+    return result["cached"] / result["prompt_len"]
+
+
+def test_second_pass_is_served_from_pool_with_baseline_output(engine, baseline):
+    prompts = PROMPTS["warm"]
+    pools_before = set(glob.glob("/dev/shm/vllm_aio.*"))
+    cold, warm = engine.run([prompts, prompts], aio_config(local_pool_size="256MB"))
+    assert all(r["cached"] == 0 for r in cold)
+    assert all(_cached_fraction(r) >= 0.8 for r in warm), [r["cached"] for r in warm]
+    assert_same_generation(cold, baseline["warm"])
+    assert_same_generation(warm, baseline["warm"])
+    assert set(glob.glob("/dev/shm/vllm_aio.*")) == pools_before, "the private pool outlived its engine"
+
+
+def test_model_output_varies(baseline):
+    # An equality check on a model that repeats one token would prove nothing.
+    for result in baseline["warm"]:
+        assert len(set(result["token_ids"])) >= len(result["token_ids"]) // 2
+
+
+
+def _block_bytes(model) -> int:
+    """One block of every layer of the tiny model (bf16, block size 32)."""
+    import json
+
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 32 * 2
+
+
+def test_producer_stores_and_consumer_only_loads(engine, baseline, tiny_model):
+    from vllm_aio.pool.host_pool import SharedHostPool
+
+    name = f"pd-{uuid.uuid4().hex[:8]}"
+    # The test holds the pool between the two instances, as a long-lived host would.
+    holder = SharedHostPool(name, _block_bytes(tiny_model), 4096)
+    try:
+        prompts, new = PROMPTS["pd"], PROMPTS["pd_new"]
+        first, second = engine.run([prompts, prompts], aio_config("kv_producer", local_pool_name=name))
+        assert all(r["cached"] == 0 for r in first + second), "a producer must not load"
+        stored = holder.usage().num_ready
+        assert stored == sum(len(p) // 32 for p in prompts)
+
+        loaded, fresh = engine.run([prompts, new], aio_config("kv_consumer", local_pool_name=name))
+        assert all(_cached_fraction(r) >= 0.8 for r in loaded), [r["cached"] for r in loaded]
+        assert fresh[0]["cached"] == 0
+        assert holder.usage().num_ready == stored, "a consumer must not store"
+        assert_same_generation(loaded, baseline["pd"])
+        assert_same_generation(fresh, baseline["pd_new"])
+    finally:
+        holder.close()
+
+
+def test_pool_smaller_than_the_prompts_still_gives_baseline_output(engine, baseline):
+    prompts = PROMPTS["small_pool"]
+    # 1 MiB holds 16 blocks of 64 KiB; the prompts need about 100.
+    cold, warm = engine.run([prompts, prompts], aio_config(local_pool_size="1MB"))
+    assert_same_generation(cold, baseline["small_pool"])
+    assert_same_generation(warm, baseline["small_pool"])
+
+
+def _faulty() -> dict:
+    return aio_config(module="faulty_connector", connector="FaultyAioConnector", local_pool_size="256MB")
+
+
+def test_blocks_lost_or_torn_at_load_are_recomputed(engine, baseline):
+    prompts = PROMPTS["faults"]
+    cold, warm = engine.run([prompts, prompts], _faulty(), env={"AIO_FAULT": "lost_and_torn"})
+    assert_same_generation(warm, baseline["faults"])
+    assert "pool blocks could not be loaded (1 corrupt, 1 missing); vLLM recomputes them" in engine.last_log
+
+
+def test_unreported_garbage_changes_the_output(engine, baseline):
+    # Negative control: if a bad block were served silently, the suite would see it.
+    prompts = PROMPTS["faults"]
+    cold, warm = engine.run([prompts, prompts], _faulty(), env={"AIO_FAULT": "silent_garbage"})
+    assert_same_generation(cold, baseline["faults"])
+    with pytest.raises(AssertionError):
+        assert_same_generation(warm, baseline["faults"])
+
+
+def test_pool_down_serves_every_request_by_recompute(engine, baseline):
+    prompts = PROMPTS["faults"]
+    cold, warm = engine.run([prompts, prompts], _faulty(), env={"AIO_FAULT": "pool_down"})
+    assert all(r["cached"] == 0 for r in cold + warm)
+    assert_same_generation(warm, baseline["faults"])
+    assert engine.last_log.count("pool save failed") == 1
+    assert "pool lookup failed, treating as a miss" in engine.last_log

@@ -1,0 +1,126 @@
+"""Unit tests of ``vllm_aio.pool.keys``: namespace digests, rank coordinates, key format."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_aio.pool.keys import Namespace, RankCoord, all_rank_coords, block_key
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def namespace(**changes) -> Namespace:
+    base = Namespace(
+        model="org/model",
+        dtype="bfloat16",
+        kv_cache_dtype="auto",
+        block_size=16,
+        kv_layout="NHD",
+        attn_isa="avx512",
+        tp_size=1,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        group=0,
+        salt="",
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def changed(value):
+    return value + 1 if isinstance(value, int) else value + "x"
+
+
+# ---- namespace digest --------------------------------------------------------
+
+
+def test_digest_is_16_lowercase_hex_characters():
+    digest = namespace().digest()
+    assert len(digest) == 16
+    assert set(digest) <= set("0123456789abcdef")
+
+
+def test_equal_namespaces_have_equal_digests():
+    assert namespace().digest() == namespace().digest()
+
+
+def test_digest_is_stable_across_processes_and_hash_seeds():
+    code = (
+        "from vllm_aio.pool.keys import Namespace;"
+        "print(Namespace('org/model','bfloat16','auto',16,'NHD','avx512',1,1,1,1,0,'').digest())"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == namespace().digest()
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(Namespace)])
+def test_digest_changes_with_every_field(field):
+    ns = namespace()
+    assert namespace(**{field: changed(getattr(ns, field))}).digest() != ns.digest()
+
+
+def test_digest_tells_apart_values_that_print_alike():
+    # a string "16" and an int 16 must not collide, nor a field shifted into a neighbour
+    assert namespace(block_size=16).digest() != namespace(block_size="16").digest()  # type: ignore[arg-type]
+    assert namespace(model="a", dtype="bc").digest() != namespace(model="ab", dtype="c").digest()
+
+
+# ---- rank coordinates -----------------------------------------------------------
+
+
+def test_rank_coord_defaults_to_rank_zero_everywhere():
+    assert RankCoord().shard == "tp0.pp0.pcp0.dcp0"
+
+
+def test_shard_names_every_coordinate():
+    assert RankCoord(tp=3, pp=1, pcp=2, dcp=1).shard == "tp3.pp1.pcp2.dcp1"
+
+
+def test_single_rank_deployment_has_one_coordinate():
+    assert all_rank_coords(namespace()) == [RankCoord()]
+
+
+@pytest.mark.parametrize(("tp", "pp", "pcp"), [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 3, 2)])
+def test_all_rank_coords_enumerates_tp_pp_pcp_once_each(tp, pp, pcp):
+    coords = all_rank_coords(namespace(tp_size=tp, pp_size=pp, pcp_size=pcp))
+    assert len(coords) == tp * pp * pcp
+    assert {(c.tp, c.pp, c.pcp) for c in coords} == set(itertools.product(range(tp), range(pp), range(pcp)))
+
+
+def test_all_rank_coords_have_distinct_shards():
+    coords = all_rank_coords(namespace(tp_size=4, pp_size=2, pcp_size=2, dcp_size=2))
+    assert len({c.shard for c in coords}) == len(coords) == 16
+
+
+def test_dcp_rank_is_tp_rank_modulo_dcp_size():
+    coords = all_rank_coords(namespace(tp_size=4, dcp_size=2))
+    assert [(c.tp, c.dcp) for c in coords] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+
+
+# ---- key format --------------------------------------------------------------------
+
+
+def test_block_key_joins_prefix_namespace_shard_and_hex_hash():
+    assert block_key("0123456789abcdef", "tp0.pp0.pcp0.dcp0", b"\x00\x01\xfe\xff") == (
+        "aio:0123456789abcdef:tp0.pp0.pcp0.dcp0:0001feff"
+    )
+
+
+def test_block_keys_differ_by_namespace_shard_and_hash():
+    ns_a, ns_b = namespace().digest(), namespace(salt="other").digest()
+    h = bytes(range(32))
+    keys = {
+        block_key(ns_a, RankCoord().shard, h),
+        block_key(ns_b, RankCoord().shard, h),
+        block_key(ns_a, RankCoord(tp=1).shard, h),
+        block_key(ns_a, RankCoord().shard, h[:-1] + b"\xff"),
+    }
+    assert len(keys) == 4

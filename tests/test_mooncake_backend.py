@@ -1,0 +1,392 @@
+"""MooncakeBackend against a real mooncake_master and memory owner on loopback.
+
+The statuses asserted here are what Mooncake 0.3.13 really does (see the module
+docstring of ``vllm_aio.backends.mooncake``), including where it differs from
+what one would guess: a put of an existing key succeeds with code 0 and keeps
+the old value, and a get into a wrong-sized destination fails with -600/-800
+rather than returning a short byte count.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_aio.backends.base import Status
+from vllm_aio.backends.mooncake import (
+    INSTALL_HINT,
+    MooncakeBackend,
+    MooncakeSettings,
+    MooncakeUnavailableError,
+    _import_store,
+    get_status,
+    put_status,
+)
+from vllm_aio.config import ConfigError
+from vllm_aio.devtools.mooncake_pool import MooncakePool, free_port
+
+pytest_plugins = ["mooncake_fixtures"]
+
+SEGMENTS_PER_KEY = 4
+SEGMENT = 4096
+
+
+def unique(n: int = 1) -> list[str]:
+    prefix = uuid.uuid4().hex
+    return [f"{prefix}-{i}" for i in range(n)]
+
+
+class Blocks:
+    """A source and a destination tensor, registered, carved into scattered segments.
+
+    Key i's value is segments i, i+n, i+2n, ... of the tensor (like a block's
+    bytes spread over layers), so the segments of one key are not adjacent.
+    """
+
+    def __init__(self, backend: MooncakeBackend, n: int, parts: int = SEGMENTS_PER_KEY, part: int = SEGMENT):
+        self.n, self.parts, self.part = n, parts, part
+        gen = torch.Generator().manual_seed(n)
+        self.src = torch.randint(0, 256, (n * parts * part,), dtype=torch.uint8, generator=gen)
+        self.dst = torch.zeros_like(self.src)
+        backend.register_memory(self.src.data_ptr(), self.src.numel())
+        backend.register_memory(self.dst.data_ptr(), self.dst.numel())
+
+    def segments(self, tensor: torch.Tensor) -> list[list[tuple[int, int]]]:
+        base = tensor.data_ptr()
+        return [[(base + (j * self.n + i) * self.part, self.part) for j in range(self.parts)]
+                for i in range(self.n)]
+
+    def equal(self, i: int) -> bool:
+        idx = [(j * self.n + i) * self.part for j in range(self.parts)]
+        return all(torch.equal(self.src[o:o + self.part], self.dst[o:o + self.part]) for o in idx)
+
+
+def within(seconds: float, fn: Callable[[], Any]) -> tuple[Any, float]:
+    """Run ``fn`` in a thread; fail if it has not returned after ``seconds``."""
+    box: list[Any] = []
+    start = time.monotonic()
+    thread = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"call still running after {seconds} s"
+    return box[0], time.monotonic() - start
+
+
+# -- against the session pool ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("parts", "part", "path"), [(1, 4096, "single"), (4, 4096, "staged"), (4, 65536, "multi")])
+def test_round_trip(mooncake_backend: MooncakeBackend, parts: int, part: int, path: str) -> None:
+    keys = unique(8)
+    blocks = Blocks(mooncake_backend, len(keys), parts=parts, part=part)
+    assert mooncake_backend._path(blocks.segments(blocks.src)) == path
+    assert mooncake_backend.batch_put(keys, blocks.segments(blocks.src)) == [Status.OK] * 8
+    assert mooncake_backend.batch_get(keys, blocks.segments(blocks.dst)) == [Status.OK] * 8
+    assert all(blocks.equal(i) for i in range(8))
+    assert torch.equal(blocks.src, blocks.dst)
+
+
+def test_round_trip_without_multi_buffer_api(mooncake_settings: MooncakeSettings) -> None:
+    # As on a client without batch_*_multi_buffers: keys of several large
+    # segments go through the staging buffer too.
+    backend = MooncakeBackend(mooncake_settings)
+    backend._multi = False
+    try:
+        keys = unique(6)
+        blocks = Blocks(backend, len(keys), parts=3, part=65536)
+        assert backend._path(blocks.segments(blocks.src)) == "staged"
+        assert backend.batch_put(keys, blocks.segments(blocks.src)) == [Status.OK] * 6
+        assert backend.batch_get(keys, blocks.segments(blocks.dst)) == [Status.OK] * 6
+        assert torch.equal(blocks.src, blocks.dst)
+    finally:
+        backend.close()
+
+
+def test_batch_exists(mooncake_backend: MooncakeBackend) -> None:
+    keys = unique(3)
+    blocks = Blocks(mooncake_backend, 2)
+    mooncake_backend.batch_put(keys[:2], blocks.segments(blocks.src))
+    assert mooncake_backend.batch_exists(keys) == [True, True, False]
+    assert mooncake_backend.batch_exists([]) == []
+
+
+def test_put_existing_key_keeps_old_value(mooncake_backend: MooncakeBackend) -> None:
+    # Mooncake answers 0 (not -705) and keeps the first value: reported as OK.
+    [key] = unique()
+    blocks = Blocks(mooncake_backend, 1)
+    first = blocks.src.clone()
+    assert mooncake_backend.batch_put([key], blocks.segments(blocks.src)) == [Status.OK]
+    blocks.src.fill_(7)
+    [status] = mooncake_backend.batch_put([key], blocks.segments(blocks.src))
+    assert status.stored and status is Status.OK
+    assert mooncake_backend.batch_get([key], blocks.segments(blocks.dst)) == [Status.OK]
+    assert torch.equal(blocks.dst, first)
+
+
+def test_get_missing_key(mooncake_backend: MooncakeBackend) -> None:
+    blocks = Blocks(mooncake_backend, 2)
+    assert mooncake_backend.batch_get(unique(2), blocks.segments(blocks.dst)) == [Status.MISSING] * 2
+
+
+@pytest.mark.parametrize("part", [4096, 65536])  # staged, multi-buffer
+def test_get_wrong_total_size_is_corrupt(mooncake_backend: MooncakeBackend, part: int) -> None:
+    keys = unique(3)
+    blocks = Blocks(mooncake_backend, 3, part=part)
+    assert mooncake_backend.batch_put(keys, blocks.segments(blocks.src)) == [Status.OK] * 3
+    segs = blocks.segments(blocks.dst)
+    shorter = segs[0][:-1]  # store answers -600: destination too small
+    longer = segs[1] + [(blocks.dst.data_ptr(), 64)]  # multi: -800 (TRANSFER_FAIL); single: short count
+    statuses = mooncake_backend.batch_get(keys, [shorter, longer, segs[2]])
+    assert statuses == [Status.CORRUPT, Status.CORRUPT, Status.OK]
+    assert blocks.equal(2)
+
+
+def test_engine_without_memory_uses_the_standalone_owner(mooncake_settings: MooncakeSettings) -> None:
+    # Both engines contribute no memory: the value lives in the pool's own
+    # client and survives the engine that stored it.
+    assert mooncake_settings.global_segment_size == 0
+    keys = unique(4)
+    writer = MooncakeBackend(mooncake_settings)
+    blocks = Blocks(writer, 4)
+    assert writer.batch_put(keys, blocks.segments(blocks.src)) == [Status.OK] * 4
+    writer.close()
+    reader = MooncakeBackend(mooncake_settings)
+    try:
+        reader.register_memory(blocks.dst.data_ptr(), blocks.dst.numel())
+        assert reader.batch_get(keys, blocks.segments(blocks.dst)) == [Status.OK] * 4
+        assert torch.equal(blocks.src, blocks.dst)
+    finally:
+        reader.close()
+
+
+def test_closed_backend_raises(mooncake_settings: MooncakeSettings) -> None:
+    backend = MooncakeBackend(mooncake_settings)
+    backend.close()
+    backend.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.batch_exists(["k"])
+
+
+# -- private pools ----------------------------------------------------------------
+
+
+def test_pool_full_is_no_space(mooncake_pool_factory: Callable[..., MooncakePool]) -> None:
+    pool = mooncake_pool_factory("16MB")  # mooncake_client's smallest segment
+    backend = MooncakeBackend(MooncakeSettings.load(pool.config, environ={}))
+    try:
+        keys = unique(24)
+        blocks = Blocks(backend, 24, parts=4, part=256 << 10)  # 24 x 1 MiB into 16 MiB
+        statuses = backend.batch_put(keys, blocks.segments(blocks.src))
+        assert Status.NO_SPACE in statuses
+        assert set(statuses) <= {Status.OK, Status.NO_SPACE}
+    finally:
+        backend.close()
+
+
+def test_master_killed_mid_run_fails_fast(mooncake_pool_factory: Callable[..., MooncakePool]) -> None:
+    pool = mooncake_pool_factory()
+    backend = MooncakeBackend(MooncakeSettings.load(pool.config, environ={}))
+    try:
+        keys = unique(4)
+        blocks = Blocks(backend, 4)
+        assert backend.batch_put(keys, blocks.segments(blocks.src)) == [Status.OK] * 4
+        pool.kill_master()
+        statuses, first = within(10, lambda: backend.batch_get(keys, blocks.segments(blocks.dst)))
+        assert set(statuses) <= {Status.ERROR, Status.MISSING}
+        for _ in range(3):  # once known down, calls answer at once
+            statuses, took = within(2, lambda: backend.batch_get(keys, blocks.segments(blocks.dst)))
+            assert set(statuses) <= {Status.ERROR, Status.MISSING} and took < 0.5
+            puts, took = within(2, lambda: backend.batch_put(unique(2), blocks.segments(blocks.src)[:2]))
+            assert puts == [Status.ERROR] * 2 and took < 0.5
+            exists, took = within(2, lambda: backend.batch_exists(keys))
+            assert exists == [False] * 4 and took < 0.5
+    finally:
+        within(10, backend.close)
+
+
+def test_memory_owner_killed_gets_fail_bounded(mooncake_pool_factory: Callable[..., MooncakePool]) -> None:
+    pool = mooncake_pool_factory()
+    backend = MooncakeBackend(MooncakeSettings.load(pool.config, environ={}))
+    try:
+        keys = unique(2)
+        blocks = Blocks(backend, 2)
+        assert backend.batch_put(keys, blocks.segments(blocks.src)) == [Status.OK] * 2
+        pool.kill_client()
+        statuses, _ = within(5, lambda: backend.batch_get(keys, blocks.segments(blocks.dst)))
+        assert set(statuses) <= {Status.ERROR, Status.MISSING}
+    finally:
+        backend.close()
+
+
+def test_unreachable_master_fails_setup_fast() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    settings = MooncakeSettings.load({"master_server_address": address}, environ={})
+    start = time.monotonic()
+    with pytest.raises(MooncakeUnavailableError, match=address):
+        MooncakeBackend(settings)
+    assert time.monotonic() - start < 10
+
+
+def test_cli_pool_writes_config_and_stops_on_sigterm(tmp_path: Any) -> None:
+    from mooncake_fixtures import require_mooncake
+
+    require_mooncake()
+    out = tmp_path / "mooncake.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_aio.cli", "mooncake-pool", "--size", "32MB", "--config-out", str(out),
+         "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert out.exists(), proc.stderr.read().decode() if proc.poll() is not None else "no config"
+        config = json.loads(out.read_text())
+        settings = MooncakeSettings.load({}, environ={"MOONCAKE_CONFIG_PATH": str(out)})
+        assert settings.master_server_address == config["master_server_address"]
+        backend = MooncakeBackend(settings)
+        blocks = Blocks(backend, 1)
+        assert backend.batch_put(unique(), blocks.segments(blocks.src)) == [Status.OK]
+        backend.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    assert json.loads(proc.stdout.read().decode()) == config
+
+
+# -- settings and code mapping (no master needed) ---------------------------------
+
+
+def test_settings_file_inline_env_precedence(tmp_path: Any) -> None:
+    path = tmp_path / "mc.json"
+    path.write_text(json.dumps({
+        "master_server_address": "10.0.0.1:50051", "protocol": "rdma", "device_name": "mlx5_0",
+        "global_segment_size": "4GB", "local_buffer_size": 1 << 20,
+    }))
+    settings = MooncakeSettings.load(
+        {"protocol": "tcp", "local_hostname": "10.0.0.2"},
+        environ={"MOONCAKE_CONFIG_PATH": str(path), "MOONCAKE_MASTER": "10.0.0.9:6000",
+                 "MOONCAKE_GLOBAL_SEGMENT_SIZE": "512MB"},
+    )
+    assert settings == MooncakeSettings(
+        master_server_address="10.0.0.9:6000", local_hostname="10.0.0.2", metadata_server="P2PHANDSHAKE",
+        protocol="tcp", device_name="mlx5_0", global_segment_size=512 << 20, local_buffer_size=1 << 20,
+    )
+
+
+def test_settings_defaults_and_zero_sizes() -> None:
+    settings = MooncakeSettings.load({"master_server_address": "127.0.0.1:50051", "global_segment_size": "0GB",
+                                      "local_buffer_size": 0}, environ={})
+    assert (settings.global_segment_size, settings.local_buffer_size) == (0, 0)
+    assert settings.metadata_server == "P2PHANDSHAKE" and settings.protocol == "tcp"
+    assert settings.resolved_hostname() == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("inline", "environ", "match"),
+    [
+        ({"master_server_address": "h:1", "mode": "x"}, {}, r"unknown key\(s\) mode .*accepted keys: .*protocol"),
+        ({}, {}, "master_server_address: missing"),
+        ({"master_server_address": "nohost"}, {}, "master_server_address: expected 'host:port'"),
+        ({"master_server_address": "h:1", "global_segment_size": "lots"}, {}, "global_segment_size: expected a size"),
+        ({"master_server_address": "h:1", "global_segment_size": -1}, {}, "global_segment_size: must be positive"),
+        ({"master_server_address": "h:1", "protocol": 3}, {}, "protocol: expected a string"),
+        ({"master_server_address": "h:1"}, {"MOONCAKE_GLOBAL_SEGMENT_SIZE": "big"}, "expected a size"),
+        ({}, {"MOONCAKE_CONFIG_PATH": "/nonexistent/mc.json"}, "cannot read Mooncake settings from /nonexistent"),
+    ],
+)
+def test_settings_errors(inline: dict[str, Any], environ: dict[str, str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        MooncakeSettings.load(inline, environ)
+
+
+def test_unknown_key_in_file_names_the_file(tmp_path: Any) -> None:
+    path = tmp_path / "mc.json"
+    path.write_text(json.dumps({"master_server_address": "h:1", "use_ascend_direct": True}))
+    with pytest.raises(ConfigError, match=f"use_ascend_direct in MOONCAKE_CONFIG_PATH file {path}"):
+        MooncakeSettings.load({}, {"MOONCAKE_CONFIG_PATH": str(path)})
+
+
+def test_code_mapping() -> None:
+    assert [put_status(c) for c in (0, -200, -705, -600, -800, -900)] == [
+        Status.OK, Status.NO_SPACE, Status.EXISTS, Status.ERROR, Status.ERROR, Status.ERROR]
+    assert [get_status(c, 8192) for c in (8192, 4096, -704, -703, -712, -707, -900, -1)] == [
+        Status.OK, Status.CORRUPT, Status.MISSING, Status.MISSING, Status.MISSING, Status.CORRUPT,
+        Status.ERROR, Status.ERROR]
+
+
+def test_missing_mooncake_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    with pytest.raises(RuntimeError, match=INSTALL_HINT.replace("[", r"\[").replace("]", r"\]")):
+        _import_store()
+
+
+def test_register_overlapping_region_replaces_it(mooncake_settings: MooncakeSettings) -> None:
+    # Mooncake refuses overlaps (-600); freed-and-reused memory must still register.
+    backend = MooncakeBackend(mooncake_settings)
+    try:
+        big = torch.zeros(1 << 20, dtype=torch.uint8)
+        base = big.data_ptr()
+        backend.register_memory(base, 1 << 19)
+        backend.register_memory(base + 4096, 4096)  # inside: nothing to do
+        backend.register_memory(base + (1 << 18), 1 << 19)  # overlaps: replaces
+        assert backend._registered == [(base + (1 << 18), 1 << 19)]
+    finally:
+        backend.close()
+
+
+class FlakyStore:
+    """A store whose master RPC fails ``failures`` times before answering."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls = 0
+
+    def setup(self, *args: object) -> int:
+        return 0
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        self.calls += 1
+        if self.calls <= self.failures:
+            return [-900] * len(keys)
+        return [1] * len(keys)
+
+    def close(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(("failures", "expected"), [(1, [True, True]), (1000, [False, False])])
+def test_rpc_failures_retried_within_budget(
+    mooncake_pool: MooncakePool, failures: int, expected: list[bool]
+) -> None:
+    # The master's port answers (the session pool), the RPC fails: retried
+    # until it succeeds or the budget (0.3 s) is spent.
+    store = FlakyStore(failures)
+    settings = MooncakeSettings.load(mooncake_pool.config, environ={})
+    backend = MooncakeBackend(settings, store_factory=lambda: store)
+    start = time.monotonic()
+    assert backend.batch_exists(["a", "b"]) == expected
+    assert time.monotonic() - start < 0.6
+    assert store.calls == 2 if failures == 1 else store.calls > 2
+    backend.close()
+
+
+@pytest.mark.parametrize(("ci", "outcome"), [("true", pytest.fail.Exception), ("", pytest.skip.Exception)])
+def test_missing_prerequisite_fails_under_ci(monkeypatch: pytest.MonkeyPatch, ci: str, outcome: type) -> None:
+    import mooncake_fixtures
+
+    monkeypatch.setattr(mooncake_fixtures, "missing_prerequisite", lambda: "mooncake_master not found")
+    monkeypatch.setenv("CI", ci)
+    with pytest.raises(outcome, match="mooncake_master not found"):
+        mooncake_fixtures.require_mooncake()
