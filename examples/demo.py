@@ -43,9 +43,6 @@ SERVER_ARGS = [
     "--no-enable-prefix-caching",  # a warm hit can then only come from our pool
     "--enforce-eager",
     "--enable-prompt-tokens-details",  # reports usage.prompt_tokens_details.cached_tokens
-    # vLLM force-kills its worker at once by default, leaving the private pool in
-    # /dev/shm (the next pool sweeps it); a grace period lets the worker unlink it.
-    "--shutdown-timeout", "10",
 ]
 PARAGRAPH = (
     "The scheduler asks the pool which prefix blocks it already holds, the worker "
@@ -88,7 +85,8 @@ def vllm_server(model: str, port: int, log_path: Path, connector: bool) -> Itera
     cmd = server_command(model) + ["--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
     if connector:
         cmd += ["--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # Stats every second, so the connector's "KV Transfer metrics" line shows up.
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1"}
     with open(log_path, "wb") as log:
         # A process group of its own: the engine core and worker are children of
         # the API server, so stop_server can reach stragglers with one killpg,
@@ -191,6 +189,21 @@ def complete(base: str, model: str, name: str, prompt: str, max_tokens: int) -> 
     return Result(name, usage["prompt_tokens"], cached, ttft, text, token_ids)
 
 
+def pool_counters(base: str) -> dict[str, float]:
+    """The connector's Prometheus counters (vllm:aio_*) from the server's /metrics."""
+    counters: dict[str, float] = {}
+    for line in requests.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:aio_") and "_total" in line:
+            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            counters[name] = counters.get(name, 0.0) + value
+    return counters
+
+
+def last_transfer_log_line(log_path: Path) -> str | None:
+    lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if "KV Transfer metrics" in ln]
+    return lines[-1].split("] ", 1)[-1] if lines else None
+
+
 def print_table(results: list[Result]) -> None:
     print(f"\n{'request':<8} {'prompt tok':>10} {'cached tok':>10} {'TTFT ms':>9}  generated (first words)")
     for r in results:
@@ -239,6 +252,11 @@ def main() -> int:
         print(f"\nwarm/cold TTFT ratio: {warm.ttft_s / cold.ttft_s:.2f}")
         hit = warm.cached_tokens / warm.prompt_tokens
         print(f"warm cached fraction: {hit:.1%} of the prompt")
+        if connector:
+            time.sleep(1.5)  # let one stats interval pass
+            counters = pool_counters(base)
+            print("\nPrometheus /metrics: " + ", ".join(f"{k}={v:g}" for k, v in sorted(counters.items())))
+            print(f"server log: {last_transfer_log_line(log_path)}")
         print("stopping the server ...")
     if connector and hit < MIN_HIT_FRACTION:
         print(f"FAIL: warm request cached < {MIN_HIT_FRACTION:.0%} of its prompt", file=sys.stderr)

@@ -163,21 +163,11 @@ def test_env_backend_outside_accepted_list_fails():
         parse({}, environ={"VLLM_AIO_BACKEND": "nonsense"})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.py:127 passes the env var name to _check_type, so the size parser "
-    "(keyed on 'local_pool_size') is skipped and the raw string is stored",
-)
 def test_env_local_pool_size_overrides_extra_config_as_bytes():
     cfg = parse({"local_pool_size": "1GB"}, environ={"VLLM_AIO_LOCAL_POOL_SIZE": "8GB"})
     assert cfg.local_pool_size == 8 << 30
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.py:127: the env override of local_pool_size is not validated; "
-    "'banana' is accepted as the pool size",
-)
 def test_env_local_pool_size_unparseable_fails_naming_the_variable():
     with pytest.raises(ConfigError, match=r"VLLM_AIO_LOCAL_POOL_SIZE"):
         parse({}, environ={"VLLM_AIO_LOCAL_POOL_SIZE": "banana"})

@@ -26,7 +26,7 @@ SLOT = 64
 
 
 def leftovers(name: str) -> list[str]:
-    return sorted(p.name for p in SHM_DIR.glob(f"vllm_aio.{name}*"))
+    return sorted(p.name for p in (pool_path(name), host_pool.lock_path(name)) if p.exists())
 
 
 @pytest.fixture
@@ -241,7 +241,7 @@ def test_usage_counts_ready_slots_bytes_and_evictions(name):
 def test_first_attach_creates_the_pool_file_and_its_lock(name):
     pool = SharedHostPool(name, SLOT, 4)
     try:
-        assert leftovers(name) == [f"vllm_aio.{name}", f"vllm_aio.{name}.lock"]
+        assert leftovers(name) == [f"vllm_aio.{name}", f"vllm_aio_lock.{name}"]
     finally:
         pool.close()
     assert leftovers(name) == []
@@ -316,11 +316,6 @@ def test_attach_with_other_slot_size_fails_naming_local_pool_name(name):
     assert leftovers(name) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="host_pool.py:144-147: the lock fd opened in __init__ is not closed when "
-    "_map or _add_pid raises, so each failed attach leaks one file descriptor",
-)
 def test_failed_attach_leaks_no_file_descriptor(name):
     pool = SharedHostPool(name, SLOT, 4)
     try:
@@ -349,7 +344,7 @@ def test_file_that_is_not_a_pool_is_refused(name):
             SharedHostPool(name, SLOT, 4)
     finally:
         pool_path(name).unlink()
-        Path(f"{pool_path(name)}.lock").unlink(missing_ok=True)
+        host_pool.lock_path(name).unlink(missing_ok=True)
 
 
 def test_calls_after_close_raise(name):
@@ -379,7 +374,7 @@ def test_pool_whose_processes_all_died_is_swept_when_a_new_pool_is_created(new_n
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.join(30)  # reaped: a zombie still answers kill(pid, 0)
-    assert leftovers(dead) == [f"vllm_aio.{dead}", f"vllm_aio.{dead}.lock"]
+    assert leftovers(dead) == [f"vllm_aio.{dead}", f"vllm_aio_lock.{dead}"]
     pool = SharedHostPool(fresh, SLOT, 4)
     try:
         assert leftovers(dead) == []
@@ -399,12 +394,6 @@ def test_pool_with_a_live_process_is_not_swept(new_name):
         b.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="host_pool.py:184 sets the magic in _map before __init__ adds the creator's "
-    "pid (line 147), and _sweep_dead_pools takes no lock: a pool being created looks "
-    "dead to another process creating a pool at that moment, and is unlinked",
-)
 def test_pool_being_created_is_not_swept_by_a_concurrent_creator(new_name, monkeypatch):
     first, second = new_name(), new_name()
     other: list[SharedHostPool] = []
@@ -424,15 +413,9 @@ def test_pool_being_created_is_not_swept_by_a_concurrent_creator(new_name, monke
         other[0].close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="host_pool.py:202-207: the last process to close unlinks the .lock file while "
-    "an attacher may already hold it open; that attacher then locks the old inode and "
-    "creates the pool, and later attachers lock a new .lock: no mutual exclusion",
-)
 def test_attacher_racing_the_last_close_shares_its_lock_with_later_attachers(name, monkeypatch):
     last = SharedHostPool(name, SLOT, 4)
-    lock_path = f"{pool_path(name)}.lock"
+    lock_path = os.fspath(host_pool.lock_path(name))
     real_open = os.open
     armed = [True]
 

@@ -197,12 +197,6 @@ def test_wrong_size_value_fails_alone_in_its_batch(name):
         backend.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="local.py:48 marks the loser of a lost commit with keys.index(key), i.e. the "
-    "FIRST occurrence of the key: for a key repeated in one batch the first (stored) "
-    "copy is reported EXISTS and the second (discarded) one OK",
-)
 def test_key_repeated_in_one_batch_is_ok_first_then_exists(name):
     backend = open_backend(name, slots=4)
     try:

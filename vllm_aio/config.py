@@ -94,7 +94,8 @@ _SIZE_KEYS = {"local_pool_size"}
 
 
 def _check_type(key: str, value: Any, field: dataclasses.Field) -> Any:
-    if key in _SIZE_KEYS:
+    """``key`` names the source in errors: the extra-config key or the env variable."""
+    if field.name in _SIZE_KEYS:
         return parse_size(key, value)
     expected = field.type
     if expected == "bool":

@@ -29,8 +29,9 @@ class LocalBackend(Backend):
         self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]
     ) -> list[Status]:
         out: list[Status] = []
-        filled_keys, filled_slots = [], []
-        for key, segs, slot in zip(keys, segments, self.pool.reserve(keys)):
+        filled: list[int] = []  # positions in `keys` copied into a reserved slot
+        slots = self.pool.reserve(keys)
+        for i, (segs, slot) in enumerate(zip(segments, slots)):
             if slot is None:
                 out.append(Status.EXISTS)
             elif slot < 0:
@@ -40,12 +41,12 @@ class LocalBackend(Backend):
                 out.append(Status.ERROR)
             else:
                 _copy_in(self.pool.slot_address(slot), segs)
-                filled_keys.append(key)
-                filled_slots.append(slot)
+                filled.append(i)
                 out.append(Status.OK)
-        for key, won in zip(filled_keys, self.pool.commit(filled_keys, filled_slots)):
-            if not won:  # another process stored it while we copied
-                out[keys.index(key)] = Status.EXISTS
+        won = self.pool.commit([keys[i] for i in filled], [slots[i] for i in filled])
+        for i, stored in zip(filled, won):
+            if not stored:  # another writer (or an earlier copy in this batch) got there first
+                out[i] = Status.EXISTS
         return out
 
     def batch_get(

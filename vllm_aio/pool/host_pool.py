@@ -43,6 +43,7 @@ import numpy as np
 
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "vllm_aio."
+_LOCK_PREFIX = "vllm_aio_lock."
 _MAGIC = 0x41494F504F4F4C31  # "AIOPOOL1"
 _MAX_PIDS = 256
 _PAGE = 4096
@@ -134,6 +135,11 @@ def slots_for(pool_bytes: int, slot_size: int) -> int:
     return max(1, pool_bytes // slot_size)
 
 
+def lock_path(name: str) -> Path:
+    # A prefix of its own, so no pool name can collide with a lock file.
+    return SHM_DIR / f"{_LOCK_PREFIX}{name}"
+
+
 class SharedHostPool:
     """Attach to (or create) the pool ``name``; values are ``slot_size`` bytes."""
 
@@ -141,14 +147,42 @@ class SharedHostPool:
         self.name = name
         self.path = pool_path(name)
         self._tlock = threading.Lock()
-        self._lock_fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        with self._locked():
-            self._map(slot_size, num_slots)
-            self._add_pid(os.getpid())
+        self._lock_fd = self._open_current_lock()
+        try:
+            with self._locked():
+                created = self._map(slot_size, num_slots)
+                self._add_pid(os.getpid())
+                if created:  # last: a sweeper only trusts pools that show a magic
+                    self._header[_H_MAGIC] = _MAGIC
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         self._closed = False
 
     # ---- lifecycle -------------------------------------------------------
-    def _map(self, slot_size: int, num_slots: int) -> None:
+    def _open_current_lock(self) -> int:
+        """A locked-then-released fd of the lock file that is at the path now.
+
+        The last process to close a shared pool unlinks its lock file; one that
+        opened the old file just before would otherwise lock a file nobody
+        else sees. Retrying until the locked inode is the one at the path keeps
+        every attacher on the same lock.
+        """
+        path = lock_path(self.name)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            if current:
+                return fd
+            os.close(fd)
+
+    def _map(self, slot_size: int, num_slots: int) -> bool:
+        """Map the pool, creating it if absent; True if created."""
         created = not self.path.exists()
         if created:
             _sweep_dead_pools(exclude=self.path)
@@ -159,16 +193,10 @@ class SharedHostPool:
         else:
             fd = os.open(self.path, os.O_RDWR)
             head = np.frombuffer(os.pread(fd, 8 * _H_FIELDS, 0), dtype=np.int64)
-            if head[_H_MAGIC] != _MAGIC:
+            problem = _attach_problem(self.name, head, slot_size)
+            if problem:
                 os.close(fd)
-                raise RuntimeError(f"{self.path} is not a vllm_aio pool")
-            if head[_H_SLOT_SIZE] != slot_size:
-                os.close(fd)
-                raise RuntimeError(
-                    f"pool {self.name!r} holds {int(head[_H_SLOT_SIZE])}-byte blocks but this "
-                    f"instance needs {slot_size}-byte blocks: give instances with different "
-                    "models or parallelism different local_pool_name values"
-                )
+                raise RuntimeError(problem)
             layout = _Layout(slot_size, int(head[_H_NUM_SLOTS]))
         self._mm = mmap.mmap(fd, layout.file_bytes)
         os.close(fd)
@@ -181,7 +209,7 @@ class SharedHostPool:
             self._header[_H_SLOT_SIZE] = slot_size
             self._header[_H_NUM_SLOTS] = num_slots
             self._header[_H_TABLE_SIZE] = layout.table_size
-            self._header[_H_MAGIC] = _MAGIC
+        return created
 
     def seal(self) -> None:
         """Unlink the pool's name now; attached processes keep their mappings.
@@ -192,7 +220,7 @@ class SharedHostPool:
         """
         with self._locked():
             self.path.unlink(missing_ok=True)
-            Path(f"{self.path}.lock").unlink(missing_ok=True)
+            lock_path(self.name).unlink(missing_ok=True)
 
     def close(self) -> None:
         """Detach; the last process attached unlinks the pool."""
@@ -204,7 +232,7 @@ class SharedHostPool:
             last = not self._live_pids()
             if last:
                 self.path.unlink(missing_ok=True)
-                Path(f"{self.path}.lock").unlink(missing_ok=True)
+                lock_path(self.name).unlink(missing_ok=True)
         for name in self.layout.offsets():
             setattr(self, f"_{name}", None)
         try:
@@ -395,6 +423,18 @@ class SharedHostPool:
         return self._data_addr + slot * self.layout.slot_size
 
 
+def _attach_problem(name: str, head: np.ndarray, slot_size: int) -> str | None:
+    if len(head) < _H_FIELDS or head[_H_MAGIC] != _MAGIC:
+        return f"{pool_path(name)} is not a vllm_aio pool (or is still being created)"
+    if head[_H_SLOT_SIZE] != slot_size:
+        return (
+            f"pool {name!r} holds {int(head[_H_SLOT_SIZE])}-byte blocks but this instance needs "
+            f"{slot_size}-byte blocks: give instances with different models or parallelism "
+            "different local_pool_name values"
+        )
+    return None
+
+
 def _check_shm_space(needed: int) -> None:
     st = os.statvfs(SHM_DIR)
     free = st.f_bavail * st.f_frsize
@@ -408,7 +448,7 @@ def _check_shm_space(needed: int) -> None:
 def _sweep_dead_pools(exclude: Path) -> None:
     """Unlink pools left behind by processes that all died (crash, kill -9)."""
     for path in SHM_DIR.glob(f"{_PREFIX}*"):
-        if path == exclude or path.suffix == ".lock":
+        if path == exclude:
             continue
         try:
             with open(path, "rb") as f:
@@ -419,4 +459,4 @@ def _sweep_dead_pools(exclude: Path) -> None:
             continue
         if not any(_pid_alive(int(p)) for p in head[_H_FIELDS:] if p):
             path.unlink(missing_ok=True)
-            Path(f"{path}.lock").unlink(missing_ok=True)
+            lock_path(path.name[len(_PREFIX):]).unlink(missing_ok=True)

@@ -1,0 +1,225 @@
+"""The scheduler half against an in-memory backend and stand-ins for vLLM's
+request and scheduler-output objects (the end-to-end tests use the real ones)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_aio.backends import Backend, Status
+from vllm_aio.connector.deployment import Deployment
+from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.pool.keys import Namespace, all_rank_coords, block_key
+
+BS = 4
+
+
+class DictBackend(Backend):
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+        self.exists_calls = 0
+
+    def batch_exists(self, keys):
+        self.exists_calls += 1
+        return [k in self.keys for k in keys]
+
+    def batch_put(self, keys, segments):
+        self.keys.update(keys)
+        return [Status.OK] * len(keys)
+
+    def batch_get(self, keys, segments):
+        return [Status.OK if k in self.keys else Status.MISSING for k in keys]
+
+    def close(self):
+        pass
+
+
+class DownBackend(DictBackend):
+    def batch_exists(self, keys):
+        raise ConnectionError("down")
+
+
+@dataclass
+class Req:
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.block_hashes = [f"{self.request_id}-{i}".encode() for i in range(self.num_tokens // BS)]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+
+def deployment(tp: int = 1, load: bool = True, save: bool = True, decode: bool = False) -> Deployment:
+    ns = Namespace("m", "bf16", "auto", BS, "LBHNC", "amx", tp, 1, 1, 1, 0, "")
+    return Deployment(ns, BS, ("l0",), 64, load, save, decode, "p")
+
+
+def store(backend: DictBackend, dep: Deployment, req: Req, num_blocks: int, ranks=None) -> None:
+    coords = all_rank_coords(dep.namespace) if ranks is None else ranks
+    for h in req.block_hashes[:num_blocks]:
+        for c in coords:
+            backend.keys.add(block_key(dep.namespace.digest(), c.shard, h))
+
+
+def blocks(ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def step(new=(), cached=(), scheduled=None, finished=()):
+    """A SchedulerOutput stand-in: new=(req_id, block_ids, num_computed), cached=(req_id, new_ids, num_computed, resumed)."""
+    return SimpleNamespace(
+        finished_req_ids=set(finished),
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(list(b),), num_computed_tokens=n) for r, b, n in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached],
+            new_block_ids=[(list(c[1]),) if c[1] is not None else None for c in cached],
+            num_computed_tokens=[c[2] for c in cached],
+            resumed_req_ids={c[0] for c in cached if c[3]},
+        ),
+        num_scheduled_tokens=scheduled or {},
+    )
+
+
+def test_lookup_counts_whole_blocks_beyond_the_local_hit():
+    backend, dep = DictBackend(), deployment()
+    req = Req("a", 22)  # 5 full blocks
+    store(backend, dep, req, 4)
+    sched = AioScheduler(dep, backend)
+    assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
+    assert sched.get_num_new_matched_tokens(req, 8) == (8, False)
+    assert sched.get_num_new_matched_tokens(req, 16) == (0, False)
+
+
+def test_lookup_stops_at_the_first_missing_block():
+    backend, dep = DictBackend(), deployment()
+    req = Req("a", 20)
+    store(backend, dep, req, 5)
+    backend.keys.remove(block_key(dep.namespace.digest(), "tp0.pp0.pcp0.dcp0", req.block_hashes[2]))
+    assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (8, False)
+
+
+def test_full_prompt_hit_leaves_the_last_token_to_compute():
+    backend, dep = DictBackend(), deployment()
+    req = Req("a", 16)
+    store(backend, dep, req, 4)
+    assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (15, False)
+
+
+def test_lookup_is_repeatable_without_side_effects_on_the_answer():
+    backend, dep = DictBackend(), deployment()
+    req = Req("a", 20)
+    store(backend, dep, req, 3)
+    sched = AioScheduler(dep, backend)
+    answers = {sched.get_num_new_matched_tokens(req, 0) for _ in range(3)}
+    assert answers == {(12, False)}
+
+
+def test_block_counts_as_hit_only_when_every_rank_stored_it():
+    backend, dep = DictBackend(), deployment(tp=2)
+    req = Req("a", 20)
+    rank0 = [c for c in all_rank_coords(dep.namespace) if c.tp == 0]
+    store(backend, dep, req, 5, ranks=rank0)
+    assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (0, False)
+    store(backend, dep, req, 5)
+    assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (19, False)
+
+
+def test_pool_down_at_lookup_is_a_miss():
+    dep = deployment()
+    assert AioScheduler(dep, DownBackend()).get_num_new_matched_tokens(Req("a", 20), 0) == (0, False)
+
+
+def test_role_without_load_never_queries_the_pool():
+    backend = DictBackend()
+    sched = AioScheduler(deployment(load=False), backend)
+    assert sched.get_num_new_matched_tokens(Req("a", 20), 0) == (0, False)
+    assert backend.exists_calls == 0
+
+
+def test_allocated_hit_becomes_a_load_of_exactly_the_pool_blocks():
+    backend, dep = DictBackend(), deployment()
+    req = Req("a", 22)
+    store(backend, dep, req, 4)
+    sched = AioScheduler(dep, backend)
+    n, _ = sched.get_num_new_matched_tokens(req, 4)  # vLLM holds block 0 itself
+    sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), n)
+    meta = sched.build_connector_meta(step(new=[("a", [10, 11, 12, 13, 14, 15], 16)], scheduled={"a": 6}))
+    (load,) = meta.loads
+    assert load.block_ids == [11, 12, 13]
+    assert load.block_hashes == req.block_hashes[1:4]
+    assert (meta.lookups.hit_tokens, meta.lookups.miss_tokens) == (12, 6)
+    assert sched.build_connector_meta(step()).loads == []
+
+
+def test_zero_external_tokens_loads_nothing():
+    backend, dep = DictBackend(), deployment()
+    req = Req("a", 20)
+    store(backend, dep, req, 4)
+    sched = AioScheduler(dep, backend)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5]), 0)
+    assert sched.build_connector_meta(step(new=[("a", [1, 2, 3, 4, 5], 0)], scheduled={"a": 20})).loads == []
+
+
+def test_chunked_prefill_saves_each_block_once_as_it_fills():
+    sched = AioScheduler(deployment(), DictBackend())
+    req = Req("a", 18)
+    sched.update_state_after_alloc(req, blocks([7, 8, 9]), 0)
+    m1 = sched.build_connector_meta(step(new=[("a", [7, 8, 9], 0)], scheduled={"a": 10}))
+    assert [s.block_ids for s in m1.saves] == [[7, 8]]
+    m2 = sched.build_connector_meta(step(cached=[("a", [10, 11], 10, False)], scheduled={"a": 8}))
+    assert [s.block_ids for s in m2.saves] == [[9, 10]]
+    assert m2.saves[0].block_hashes == req.block_hashes[2:4]
+
+
+def test_decode_blocks_are_saved_only_with_save_decode_cache():
+    for decode, expected in ((False, []), (True, [[3]])):
+        sched = AioScheduler(deployment(decode=decode), DictBackend())
+        req = Req("a", 8)
+        sched.update_state_after_alloc(req, blocks([1, 2]), 0)
+        sched.build_connector_meta(step(new=[("a", [1, 2], 0)], scheduled={"a": 8}))
+        req.num_output_tokens = 4
+        req.block_hashes.append(b"a-2")
+        meta = sched.build_connector_meta(step(cached=[("a", [3], 11, False)], scheduled={"a": 1}))
+        assert [s.block_ids for s in meta.saves] == expected
+
+
+def test_resumed_request_saves_into_its_new_blocks():
+    sched = AioScheduler(deployment(), DictBackend())
+    req = Req("a", 16)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 0)
+    sched.build_connector_meta(step(new=[("a", [1, 2, 3, 4], 0)], scheduled={"a": 8}))
+    meta = sched.build_connector_meta(step(cached=[("a", [5, 6, 7, 8], 0, True)], scheduled={"a": 16}))
+    assert [s.block_ids for s in meta.saves] == [[5, 6, 7, 8]]
+
+
+def test_role_without_save_plans_no_saves():
+    sched = AioScheduler(deployment(save=False), DictBackend())
+    req = Req("a", 16)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 0)
+    assert sched.build_connector_meta(step(new=[("a", [1, 2, 3, 4], 0)], scheduled={"a": 16})).saves == []
+
+
+def test_finished_request_frees_its_blocks_at_once_and_is_forgotten():
+    sched = AioScheduler(deployment(), DictBackend())
+    req = Req("a", 16)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 0)
+    sched.build_connector_meta(step(new=[("a", [1, 2, 3, 4], 0)], scheduled={"a": 16}))
+    assert sched.request_finished(req, [1, 2, 3, 4]) == (False, None)
+    assert sched.build_connector_meta(step(finished=["a"])).saves == []
+
+
+@pytest.mark.parametrize("computed", [0, 4])
+def test_hit_tokens_never_exceed_the_prompt_minus_one(computed):
+    backend, dep = DictBackend(), deployment()
+    req = Req("a", 12)
+    store(backend, dep, req, 3)
+    n, _ = AioScheduler(dep, backend).get_num_new_matched_tokens(req, computed)
+    assert computed + n == 11

@@ -1,0 +1,119 @@
+"""The worker half over the real embedded pool and CPU tensors shaped like vLLM's KV cache."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import pytest
+import torch
+
+from vllm_aio.backends import Status
+from vllm_aio.backends.local import LocalBackend
+from vllm_aio.connector.deployment import Deployment
+from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, LookupCounts
+from vllm_aio.connector.worker import AioWorker
+from vllm_aio.pool.keys import Namespace, RankCoord
+
+LAYERS, NUM_BLOCKS, PAGE = ("l0", "l1"), 16, (2, 4, 8)  # [blocks, heads, tokens, channels]
+PAGE_BYTES = 2 * 4 * 8 * 2
+
+
+def kv_caches(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn((NUM_BLOCKS, *PAGE), generator=g).to(torch.bfloat16) for n in LAYERS}
+
+
+@pytest.fixture
+def make_worker():
+    made = []
+
+    def make(backend=None, caches=None, coord=RankCoord()):
+        ns = Namespace("m", "bf16", "auto", 8, "LBHNC", "amx", 1, 1, 1, 1, 0, "")
+        dep = Deployment(ns, 8, LAYERS, PAGE_BYTES * len(LAYERS), True, True, False, "p")
+        backend = backend or LocalBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, dep.value_bytes, seal=True)
+        worker = AioWorker(dep, backend, coord)
+        worker.register_kv_caches(caches if caches is not None else kv_caches(0), NUM_BLOCKS)
+        made.append(worker)
+        return worker, backend
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def transfer(block_ids, tag="x"):
+    return BlockTransfer("r", list(block_ids), [f"{tag}{i}".encode() for i in range(len(block_ids))])
+
+
+def test_saved_blocks_load_back_into_other_block_ids_byte_for_byte(make_worker):
+    src_caches, dst_caches = kv_caches(1), kv_caches(2)
+    saver, backend = make_worker(caches=src_caches)
+    saver.wait_for_save(AioConnectorMetadata(saves=[transfer([3, 4, 5])]))
+    loader, _ = make_worker(backend=backend, caches=dst_caches)
+    loader.start_load_kv(AioConnectorMetadata(loads=[transfer([9, 10, 11])]))
+    assert loader.get_block_ids_with_load_errors() == set()
+    for name in LAYERS:
+        assert torch.equal(dst_caches[name][9:12], src_caches[name][3:6])
+
+
+def test_missing_blocks_are_reported_as_load_errors_once(make_worker, caplog):
+    worker, _ = make_worker()
+    worker.wait_for_save(AioConnectorMetadata(saves=[transfer([1])]))
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        worker.start_load_kv(AioConnectorMetadata(loads=[transfer([6, 7, 8])]))
+    assert worker.get_block_ids_with_load_errors() == {7, 8}
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert "2 of 3 pool blocks could not be loaded (2 missing)" in caplog.text
+
+
+class _RaisingBackend(LocalBackend):
+    def batch_get(self, keys, segments):
+        raise ConnectionError("pool gone")
+
+    def batch_put(self, keys, segments):
+        raise ConnectionError("pool gone")
+
+
+def test_backend_failure_turns_every_block_into_a_load_error(make_worker):
+    backend = _RaisingBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, PAGE_BYTES * 2, seal=True)
+    worker, _ = make_worker(backend=backend)
+    worker.start_load_kv(AioConnectorMetadata(loads=[transfer([2, 3])]))
+    assert worker.get_block_ids_with_load_errors() == {2, 3}
+
+
+def test_failed_saves_are_logged_once_and_counted(make_worker, caplog):
+    backend = _RaisingBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, PAGE_BYTES * 2, seal=True)
+    worker, _ = make_worker(backend=backend)
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        for _ in range(3):
+            worker.wait_for_save(AioConnectorMetadata(saves=[transfer([1, 2])]))
+    assert caplog.text.count("pool save failed") == 1
+    assert worker.take_stats().data["save_failures"] == 6
+
+
+def test_stats_count_bytes_and_skip_known_blocks(make_worker):
+    worker, _ = make_worker()
+    worker.wait_for_save(AioConnectorMetadata(saves=[transfer([1, 2])]))
+    worker.wait_for_save(AioConnectorMetadata(saves=[transfer([1, 2])]))
+    worker.start_load_kv(AioConnectorMetadata(loads=[transfer([5, 6])], lookups=LookupCounts(16, 4)))
+    data = worker.take_stats().data
+    assert data["save_blocks"] == 2 and data["save_skipped"] == 2
+    assert data["load_bytes"] == 2 * PAGE_BYTES * 2
+    assert (data["hit_tokens"], data["miss_tokens"]) == (16, 4)
+    assert worker.take_stats() is None
+
+
+def test_only_rank_zero_reports_lookup_counts(make_worker):
+    worker, _ = make_worker(coord=RankCoord(tp=1))
+    worker.start_load_kv(AioConnectorMetadata(lookups=LookupCounts(16, 4)))
+    assert worker.take_stats() is None
+
+
+def test_kv_cache_of_unexpected_size_is_refused_at_registration(make_worker):
+    with pytest.raises(ValueError, match="promises"):
+        make_worker(caches={n: torch.zeros((NUM_BLOCKS, 2, 4, 4), dtype=torch.bfloat16) for n in LAYERS})
+
+
+def test_status_stored_means_ok_or_exists():
+    assert {s for s in Status if s.stored} == {Status.OK, Status.EXISTS}
