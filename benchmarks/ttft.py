@@ -15,10 +15,13 @@ vLLM's prefix caching is OFF in every engine but the last, so every cached
 token of a warm request came from the connector. Each request runs alone with
 ``max_tokens=1`` after an unrelated short warm-up request; TTFT is vLLM's own
 first-token latency (``RequestOutput.metrics.first_token_latency``); the median
-over ``--repeats`` (x ``--rounds`` fresh engines) is reported.
+over ``--repeats`` (x ``--rounds`` fresh engines) is reported, the minimum too.
 
 Every engine runs in a subprocess (``benchmarks/_engine.py``) with the same
-pinned environment (``VLLM_CPU_OMP_THREADS_BIND``, ``PYTHONHASHSEED=0``).
+pinned environment (``VLLM_CPU_OMP_THREADS_BIND``, ``PYTHONHASHSEED=0``). The
+four measuring engines are alive at once and their requests interleave one at
+a time (the system order rotates per prompt, ``--gap`` seconds apart), so load
+from other processes on a shared machine hits all systems alike.
 
     .venv/bin/python benchmarks/ttft.py --models tiny,medium --lengths 1024,2048,4096 --repeats 3
 """
@@ -30,7 +33,9 @@ import json
 import os
 import platform
 import random
+import select
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,7 +55,8 @@ SYSTEMS = ("recompute", "ExampleConnector", "vllm_aio", "prefix-cache")
 # Per model: KV cache space of each engine (GiB) and max_model_len.
 MODEL_SETTINGS = {
     "tiny": {"kv_gib": 1, "max_model_len": 8192},
-    "medium": {"kv_gib": 3, "max_model_len": 8192},
+    # 1 GiB holds 32k tokens of the medium model: plenty, and four engines fit in memory at once.
+    "medium": {"kv_gib": 1, "max_model_len": 8192},
 }
 MIN_HIT = 0.8  # warm requests must have at least this share of their prompt cached
 
@@ -73,61 +79,133 @@ def slot_bytes(model_dir: Path) -> int:
     return cfg["num_hidden_layers"] * page
 
 
-class Runner:
-    """Starts engines (one subprocess each) with one pinned environment."""
+class EngineProc:
+    """One engine subprocess (``_engine.py``) that serves one request per command."""
+
+    def __init__(self, name: str, spec: dict, workdir: Path, env: dict[str, str]) -> None:
+        self.name = name
+        tag = f"{name}-{uuid.uuid4().hex[:6]}"
+        self.spec_path = workdir / f"{tag}.json"
+        self.log_path = workdir / f"{tag}.log"
+        self.spec_path.write_text(json.dumps(spec))
+        read_fd, write_fd = os.pipe()
+        self._log = open(self.log_path, "w")
+        self.started = time.perf_counter()
+        # Own session: on failure the whole engine (runner + engine core + worker) is killed by pgid.
+        self.proc = subprocess.Popen(
+            [sys.executable, str(RUNNER), str(self.spec_path), str(write_fd)],
+            env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
+            pass_fds=(write_fd,), start_new_session=True, text=True,
+        )
+        os.close(write_fd)
+        self._results = os.fdopen(read_fd, "r")
+        self._buf = ""
+        self.ready: dict | None = None
+
+    def _line(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        fd = self._results.fileno()
+        while "\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.fail(f"no answer within {timeout:.0f}s")
+            if select.select([fd], [], [], min(left, 1.0))[0]:
+                chunk = os.read(fd, 1 << 20).decode()
+                if not chunk:
+                    self.proc.wait(timeout=30)
+                    self.fail(f"exited (code {self.proc.returncode})")
+                self._buf += chunk
+        line, self._buf = self._buf.split("\n", 1)
+        return json.loads(line)
+
+    def wait_ready(self, timeout: float) -> dict:
+        if self.ready is None:
+            self.ready = self._line(timeout)
+            self.ready["start_s"] = time.perf_counter() - self.started
+        return self.ready
+
+    def request(self, label: str, prompt: list[int], timeout: float) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps({"label": label, "prompt": prompt}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            self.fail("stdin closed")
+        return self._line(timeout)
+
+    def log_tail(self, chars: int = 6000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def fail(self, why: str) -> None:
+        raise EngineFailed(f"engine {self.name} failed: {why}; log tail ({self.log_path}):\n{self.log_tail()}")
+
+    def close(self, timeout: float = 120) -> None:
+        """Ask the engine to exit; kill its process group if it does not."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"exit": True}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=timeout)
+            except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
+                pass
+        if self.proc.poll() is None:
+            self.kill()
+        self._results.close()
+        self._log.close()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+class Engines:
+    """Starts engines with one pinned environment; a distinct warm-up prompt each."""
 
     def __init__(self, model_dir: Path, workdir: Path, kv_gib: int, max_model_len: int,
                  timeout: float) -> None:
         self.model_dir, self.workdir = model_dir, workdir
-        self.kv_gib, self.max_model_len, self.timeout = kv_gib, max_model_len, timeout
-        self._warmups = 0
+        self.max_model_len, self.timeout = max_model_len, timeout
+        self.env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+            "PYTHONHASHSEED": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+            "PYTHONPATH": str(ROOT),
+        }
+        self.live: list[EngineProc] = []
+        self._count = 0
 
-    def warmup_prompt(self) -> list[int]:
-        # Distinct per engine: a warm-up stored by engine A must not hit in engine B.
-        self._warmups += 1
-        return make_prompts(10_000 + self._warmups, [64])[0]
-
-    def run(self, name: str, steps: list[dict], kv_transfer_config: dict | None = None,
-            prefix_caching: bool = False) -> dict:
+    def start(self, name: str, kv_transfer_config: dict | None, prefix_caching: bool = False) -> EngineProc:
+        self._count += 1
         spec = {
             "model": str(self.model_dir),
             "max_model_len": self.max_model_len,
             "enable_prefix_caching": prefix_caching,
             "kv_transfer_config": kv_transfer_config,
-            "steps": [{"label": "warmup", "prompt": self.warmup_prompt()}, *steps],
+            # Distinct per engine: a warm-up stored by engine A must not hit in engine B.
+            "warmup": make_prompts(10_000 + self._count, [64])[0],
         }
-        tag = f"{name}-{uuid.uuid4().hex[:6]}"
-        spec_path = self.workdir / f"{tag}.json"
-        result_path = self.workdir / f"{tag}.out.json"
-        log_path = self.workdir / f"{tag}.log"
-        spec_path.write_text(json.dumps(spec))
-        env = {
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_gib),
-            "PYTHONHASHSEED": "0",
-            "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
-            "PYTHONPATH": str(ROOT),
-        }
-        start = time.perf_counter()
-        print(f"  engine {name} ...", end="", flush=True)
-        try:
-            with open(log_path, "w") as log:
-                proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(result_path)],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=self.timeout, cwd=ROOT)
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = f"timeout after {self.timeout:.0f}s"
-        elapsed = time.perf_counter() - start
-        text = log_path.read_text(errors="replace")
-        if rc != 0 or not result_path.exists():
-            print(" FAILED")
-            raise EngineFailed(f"engine {name} failed (exit {rc}); log tail ({log_path}):\n{text[-6000:]}")
-        result = json.loads(result_path.read_text())
-        result["elapsed_s"] = elapsed
-        result["log_tail"] = [l for l in text.splitlines() if "vllm_aio" in l or "KV Transfer" in l][-20:]
-        print(f" {elapsed:.0f}s (init {result['init_s']:.0f}s)", flush=True)
-        return result
+        engine = EngineProc(name, spec, self.workdir, self.env)
+        self.live.append(engine)
+        return engine
+
+    def wait_ready(self, engines: list[EngineProc]) -> None:
+        for e in engines:
+            r = e.wait_ready(self.timeout)
+            print(f"  engine {e.name}: ready after {r['start_s']:.0f}s (LLM init {r['init_s']:.0f}s)", flush=True)
+
+    def close(self, engines: list[EngineProc] | None = None) -> None:
+        for e in list(engines if engines is not None else self.live):
+            e.close()
+            self.live.remove(e)
+
+    def kill_all(self) -> None:
+        for e in self.live:
+            e.kill()
+        self.live.clear()
 
 
 def aio_config(pool_name: str) -> dict:
@@ -149,10 +227,10 @@ def example_config(path: Path) -> dict:
 
 
 def bench_model(name: str, lengths: list[int], repeats: int, rounds: int, timeout: float,
-                keep: bool = False) -> dict:
+                gap: float, keep: bool = False) -> dict:
+    from vllm_aio.config import parse_size
     from vllm_aio.devtools.tiny_model import PRESETS, ensure_model
     from vllm_aio.pool.host_pool import SharedHostPool, slots_for
-    from vllm_aio.config import parse_size
 
     settings = MODEL_SETTINGS.get(name, MODEL_SETTINGS["medium"])
     max_len = max(settings["max_model_len"], max(lengths) + 512)
@@ -161,40 +239,58 @@ def bench_model(name: str, lengths: list[int], repeats: int, rounds: int, timeou
     slot = slot_bytes(model_dir)
     workdir = Path(tempfile.mkdtemp(prefix=f"vllm_aio_ttft_{name}_"))
     pool_name = f"bench-ttft-{uuid.uuid4().hex[:12]}"
-    print(f"model {name}: {model_dir} (pool value {slot} bytes, workdir {workdir})", flush=True)
-    runner = Runner(model_dir, workdir, settings["kv_gib"], max_len, timeout)
+    print(f"model {name}: {model_dir} (pool value {slot} bytes; logs in {workdir})", flush=True)
+    engines = Engines(model_dir, workdir, settings["kv_gib"], max_len, timeout)
+    # The pool outlives engine A because this process holds it.
     holder = SharedHostPool(pool_name, slot, slots_for(parse_size("local_pool_size", POOL_SIZE), slot))
     samples: dict[str, dict[int, list[dict]]] = {s: {n: [] for n in lengths} for s in SYSTEMS}
-    cold: dict[str, dict[int, dict]] = {}
-    engines: list[dict] = []
+    cold: dict[str, dict[int, dict]] = {s: {} for s in SYSTEMS}
+    info: list[dict] = []
+
+    def record(e: EngineProc) -> None:
+        info.append({"engine": e.name, "start_s": e.ready["start_s"], "init_s": e.ready["init_s"],
+                     "warmup": e.ready["warmup"]})
+
     try:
         storage = workdir / "example_storage"
         storage.mkdir()
-        configs = {"ExampleConnector": example_config(storage), "vllm_aio": aio_config(pool_name)}
-        store_steps = [{"label": f"store/{n}", "prompt": prompts[n]} for n in lengths]
-        # Engine A of each connector: compute (and store) every prompt once, then exit.
-        for system in ("ExampleConnector", "vllm_aio"):
-            res = runner.run(f"{system}-A", store_steps, configs[system])
-            engines.append({"engine": f"{system}-A", "init_s": res["init_s"], "elapsed_s": res["elapsed_s"]})
-            cold[system] = {s["prompt_len"]: s for s in res["steps"][1:]}
+        configs = {"ExampleConnector": example_config(storage), "vllm_aio": aio_config(pool_name),
+                   "recompute": None, "prefix-cache": None}
+        # Engines A: compute (and store) every prompt once, then exit.
+        a = {s: engines.start(f"{s}-A", configs[s]) for s in ("ExampleConnector", "vllm_aio")}
+        engines.wait_ready(list(a.values()))
+        for n in lengths:
+            for system, e in a.items():
+                cold[system][n] = e.request(f"store/{n}", prompts[n], timeout)
+                time.sleep(gap)
+        for e in a.values():
+            record(e)
+        engines.close(list(a.values()))
         usage = holder.usage()
-        print(f"  pool after engine A: {usage.num_ready} blocks ({usage.bytes_used / 2**20:.0f} MiB)")
-        measure = [{"label": f"warm/{n}/r{r}", "prompt": prompts[n]} for r in range(repeats) for n in lengths]
+        print(f"  pool after engines A: {usage.num_ready} blocks ({usage.bytes_used / 2**20:.0f} MiB)", flush=True)
+        turn = 0
         for rnd in range(rounds):
-            order = SYSTEMS if rnd % 2 == 0 else tuple(reversed(SYSTEMS))
-            for system in order:
-                steps = measure
-                if system == "prefix-cache":  # compute once in this engine, then the hits
-                    steps = [{"label": f"fill/{n}", "prompt": prompts[n]} for n in lengths] + measure
-                res = runner.run(f"{system}-B{rnd}", steps, configs.get(system),
-                                 prefix_caching=system == "prefix-cache")
-                engines.append({"engine": f"{system}-B{rnd}", "init_s": res["init_s"],
-                                "elapsed_s": res["elapsed_s"], "connector_log": res["log_tail"]})
-                for s in res["steps"]:
-                    if s["label"].startswith("warm/"):
-                        samples[system][s["prompt_len"]].append(s)
-                    elif s["label"].startswith("fill/"):
-                        cold.setdefault("prefix-cache", {})[s["prompt_len"]] = s
+            # Engines B, all alive at once; their requests interleave, one at a time.
+            b = {s: engines.start(f"{s}-B{rnd}", configs[s], prefix_caching=s == "prefix-cache")
+                 for s in SYSTEMS}
+            engines.wait_ready(list(b.values()))
+            time.sleep(gap)
+            for n in lengths:  # prefix cache: the same engine computes the prompt first
+                cold["prefix-cache"][n] = b["prefix-cache"].request(f"fill/{n}", prompts[n], timeout)
+                time.sleep(gap)
+            for r in range(repeats):
+                for n in lengths:
+                    order = SYSTEMS[turn % len(SYSTEMS):] + SYSTEMS[:turn % len(SYSTEMS)]
+                    turn += 1
+                    for system in order:
+                        samples[system][n].append(b[system].request(f"warm/{n}/r{r}", prompts[n], timeout))
+                        time.sleep(gap)  # let the last engine's spinning threads go idle
+            for e in b.values():
+                record(e)
+            engines.close(list(b.values()))
+    except BaseException:
+        engines.kill_all()
+        raise
     finally:
         holder.close()
         if keep:
@@ -209,16 +305,16 @@ def bench_model(name: str, lengths: list[int], repeats: int, rounds: int, timeou
             ss = samples[system][n]
             row[system] = {
                 "ttft_s": statistics.median(s["ttft_s"] for s in ss),
+                "ttft_min_s": min(s["ttft_s"] for s in ss),
                 "wall_s": statistics.median(s["wall_s"] for s in ss),
                 "engine_s": statistics.median(s["engine_s"] for s in ss),
                 "cached_min": min(s["cached"] for s in ss),
                 "cached_max": max(s["cached"] for s in ss),
                 "samples_ttft_s": [s["ttft_s"] for s in ss],
+                "cold_ttft_s": cold[system][n]["ttft_s"] if n in cold[system] else None,
             }
-        for system, per_len in cold.items():
-            row[system]["cold_ttft_s"] = per_len[n]["ttft_s"]
         rows.append(row)
-    return {"rows": rows, "engines": engines, "pool_value_bytes": slot}
+    return {"rows": rows, "engines": info, "pool_value_bytes": slot}
 
 
 def check_hits(row: dict) -> list[str]:
@@ -250,16 +346,23 @@ def print_tables(rows: list[dict]) -> None:
             f"{aio / r['recompute']['ttft_s']:.3f}",
         ))
     _print(table, "Warm-request TTFT in a fresh engine (median; ms)")
+    mins = [head[:2] + ("recompute", "Example", "vllm_aio", "prefix", "aio/Example", "aio/prefix", "aio/recomp")]
+    for r in rows:
+        v = {s: r[s]["ttft_min_s"] for s in SYSTEMS}
+        mins.append((r["model"], str(r["prompt_tokens"]), *(fmt_ms(v[s]) for s in SYSTEMS),
+                     f"{v['vllm_aio'] / v['ExampleConnector']:.2f}", f"{v['vllm_aio'] / v['prefix-cache']:.2f}",
+                     f"{v['vllm_aio'] / v['recompute']:.3f}"))
+    _print(mins, "Same, minimum over samples (ms)")
     cached = [("model", "tokens", "recompute", "Example", "vllm_aio", "prefix")]
     for r in rows:
         cached.append((r["model"], str(r["prompt_tokens"]),
                        *(f"{r[s]['cached_min']}" for s in SYSTEMS)))
     _print(cached, "num_cached_tokens of the warm requests (min over samples)")
-    cold = [("model", "tokens", "recompute ms", "Example store ms", "vllm_aio store ms")]
+    cold = [("model", "tokens", "recompute (median)", "prefix fill", "Example store", "vllm_aio store")]
     for r in rows:
         cold.append((r["model"], str(r["prompt_tokens"]), fmt_ms(r["recompute"]["ttft_s"]),
-                     fmt_ms(r["ExampleConnector"]["cold_ttft_s"]), fmt_ms(r["vllm_aio"]["cold_ttft_s"])))
-    _print(cold, "Cold request with save, engine A (one sample each; recompute = median, no save)")
+                     *(fmt_ms(r[s]["cold_ttft_s"]) for s in ("prefix-cache", "ExampleConnector", "vllm_aio"))))
+    _print(cold, "Cold request (computes the prompt; connectors also save it), one sample each (ms)")
 
 
 def _print(table: list[tuple], title: str) -> None:
@@ -278,7 +381,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1,
                         help="fresh measuring engines per system (order alternates per round)")
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds per engine")
+    parser.add_argument("--timeout", type=float, default=900,
+                        help="seconds an engine may take to start, or to answer one request")
+    parser.add_argument("--gap", type=float, default=1.5,
+                        help="idle seconds between requests (vLLM workers spin ~1 s after each step)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--keep-logs", action="store_true", help="keep the engines' specs and logs")
     args = parser.parse_args()
@@ -294,7 +400,8 @@ def main() -> int:
     rows = []
     try:
         for name in models:
-            res = bench_model(name, lengths, args.repeats, args.rounds, args.timeout, args.keep_logs)
+            res = bench_model(name, lengths, args.repeats, args.rounds, args.timeout, args.gap,
+                              args.keep_logs)
             out["models"][name] = res
             rows.extend(res["rows"])
     except EngineFailed as exc:
