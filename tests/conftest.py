@@ -11,7 +11,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,12 +53,18 @@ class Engine:
     workdir: Path
 
     def run(self, rounds: list[list[list[int]]], kv_transfer_config: dict | None = None,
-            env: dict[str, str] | None = None, timeout: float = 300, **spec) -> list[list[dict]]:
+            env: dict[str, str] | None = None, timeout: float = 300,
+            between_rounds: Callable[[int], None] | None = None, **spec) -> list[list[dict]]:
+        """Generate each round's prompts in one engine; ``between_rounds(i)``
+        runs in the test, with the engine idle, before round ``i`` (i >= 1)."""
         name = uuid.uuid4().hex[:8]
         spec_path, result_path = self.workdir / f"{name}.json", self.workdir / f"{name}.out.json"
         log_path = self.workdir / f"{name}.log"
+        handshake = self.workdir / f"{name}.handshake"
+        handshake.mkdir()
         spec_path.write_text(json.dumps(
-            {"model": str(self.model), "rounds": rounds, "kv_transfer_config": kv_transfer_config, **spec}
+            {"model": str(self.model), "rounds": rounds, "kv_transfer_config": kv_transfer_config,
+             "handshake_dir": str(handshake) if between_rounds else None, **spec}
         ))
         # vLLM picks its OpenMP thread count differently with and without a
         # connector; a different count changes float rounding, so pin it.
@@ -64,11 +72,29 @@ class Engine:
                     "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
                     "PYTHONPATH": f"{ROOT}:{RUNNER.parent}", **(env or {})}
         with open(log_path, "w") as log:
-            proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(result_path)],
-                                  env=full_env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+            proc = subprocess.Popen([sys.executable, str(RUNNER), str(spec_path), str(result_path)],
+                                    env=full_env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                _drive(proc, handshake, between_rounds, len(rounds), time.monotonic() + timeout)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         self.last_log = log_path.read_text()
         assert proc.returncode == 0, f"engine failed ({log_path}):\n{self.last_log[-4000:]}"
         return json.loads(result_path.read_text())["rounds"]
+
+
+def _drive(proc: subprocess.Popen, handshake: Path, between_rounds, num_rounds: int, deadline: float) -> None:
+    next_round = 1
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError("engine run timed out")
+        if between_rounds and next_round < num_rounds and (handshake / f"before-{next_round}").exists():
+            between_rounds(next_round)
+            (handshake / f"go-{next_round}").touch()
+            next_round += 1
+        time.sleep(0.05)
 
 
 @pytest.fixture

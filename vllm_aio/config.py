@@ -7,7 +7,9 @@ typo (``"backed": "mooncake"``) silently falling back to defaults is the worst
 kind of misconfiguration for a cache: everything works, nothing hits.
 
 Environment variables (documented in the README) override the extra config:
-``VLLM_AIO_BACKEND`` and ``VLLM_AIO_LOCAL_POOL_SIZE``.
+``VLLM_AIO_BACKEND`` and ``VLLM_AIO_LOCAL_POOL_SIZE``; the Mooncake backend also
+reads ``MOONCAKE_CONFIG_PATH``, ``MOONCAKE_MASTER`` and
+``MOONCAKE_GLOBAL_SEGMENT_SIZE`` (see ``backends/mooncake.py``).
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import dataclasses
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-BACKENDS = ("local",)
+BACKENDS = ("local", "mooncake")
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*$", re.IGNORECASE)
@@ -68,10 +70,18 @@ class AioConfig:
     discard_partial_chunks: bool = True
     # Mixed into every key: instances with different salts never share blocks.
     salt: str = ""
+    # Mooncake settings given inline (master_server_address, protocol, ...);
+    # merged over the MOONCAKE_CONFIG_PATH file and checked by the backend.
+    mooncake: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend: expected one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.mooncake and self.backend != "mooncake":
+            raise ConfigError(
+                f"{', '.join(sorted(self.mooncake))}: Mooncake settings need backend \"mooncake\", "
+                f"but backend is {self.backend!r}"
+            )
         if not self.discard_partial_chunks:
             raise ConfigError(
                 "discard_partial_chunks: only true is accepted: keys come from vLLM's "
@@ -110,19 +120,36 @@ def _check_type(key: str, value: Any, field: dataclasses.Field) -> Any:
     return value
 
 
+def _mooncake_keys() -> list[str]:
+    # Imported here: the backend module imports this one (for parse_size).
+    from vllm_aio.backends.mooncake import MooncakeSettings
+
+    return [f.name for f in dataclasses.fields(MooncakeSettings)]
+
+
 def parse_extra_config(
     extra: Mapping[str, Any], environ: Mapping[str, str] | None = None
 ) -> AioConfig:
-    """Build the config from ``kv_connector_extra_config`` and the environment."""
+    """Build the config from ``kv_connector_extra_config`` and the environment.
+
+    Mooncake's own keys (``master_server_address``, ``protocol``, ...) are
+    accepted at the top level, as vllm-ascend users write them, and collected
+    into ``mooncake``.
+    """
     environ = os.environ if environ is None else environ
-    fields = {f.name: f for f in dataclasses.fields(AioConfig)}
-    unknown = sorted(set(extra) - set(fields))
+    fields = {f.name: f for f in dataclasses.fields(AioConfig) if f.name != "mooncake"}
+    mooncake_keys = _mooncake_keys()
+    unknown = sorted(set(extra) - set(fields) - set(mooncake_keys))
     if unknown:
         raise ConfigError(
             f"unknown key(s) {', '.join(unknown)} in kv_connector_extra_config; "
-            f"accepted keys: {', '.join(sorted(fields))}"
+            f"accepted keys: {', '.join(sorted(fields))}; "
+            f"with backend mooncake also: {', '.join(mooncake_keys)}"
         )
-    values = {key: _check_type(key, value, fields[key]) for key, value in extra.items()}
+    values: dict[str, Any] = {
+        key: _check_type(key, value, fields[key]) for key, value in extra.items() if key in fields
+    }
+    values["mooncake"] = {key: value for key, value in extra.items() if key in mooncake_keys}
     for env, key in _ENV_OVERRIDES.items():
         if env in environ:
             values[key] = _check_type(env, environ[env], fields[key])

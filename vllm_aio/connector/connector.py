@@ -47,7 +47,7 @@ class AioConnector(KVConnectorBase_V1):
         cfg = parse_extra_config(transfer.kv_connector_extra_config)
         dep = build_deployment(vllm_config, kv_cache_config, cfg)
         is_scheduler = role == KVConnectorRole.SCHEDULER
-        backend = create_backend(cfg, dep.pool_name, dep.value_bytes, last_attacher=is_scheduler)
+        backend = create_backend(cfg, dep.pool_name, dep.value_bytes, for_scheduler=is_scheduler)
         self._scheduler: AioScheduler | None = None
         self._worker: AioWorker | None = None
         self._num_blocks = kv_cache_config.num_blocks
