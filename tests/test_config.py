@@ -145,11 +145,6 @@ def test_local_pool_name_outside_the_safe_set_fails_naming_the_key(name):
         parse({"local_pool_name": name})
 
 
-def test_named_pool_is_shared_across_instances_and_unnamed_is_not():
-    assert parse({"local_pool_name": "pd"}).shared_across_instances
-    assert not parse({}).shared_across_instances
-
-
 # ---- environment overrides -------------------------------------------------
 
 

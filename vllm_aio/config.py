@@ -93,10 +93,6 @@ class AioConfig:
                 f"got {self.local_pool_name!r}"
             )
 
-    @property
-    def shared_across_instances(self) -> bool:
-        """Whether another vLLM instance may read what this one stores."""
-        return self.backend != "local" or self.local_pool_name is not None
 
 
 _ENV_OVERRIDES = {"VLLM_AIO_BACKEND": "backend", "VLLM_AIO_LOCAL_POOL_SIZE": "local_pool_size"}

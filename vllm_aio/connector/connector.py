@@ -123,13 +123,16 @@ def _rank_coord() -> RankCoord:
 
 
 def _log_start(cfg, dep, transfer) -> None:
+    if cfg.backend == "local":
+        store = f"pool={dep.pool_name} size={cfg.local_pool_size / 2**30:.2f}GiB"
+    else:
+        store = " ".join(f"{k}={v}" for k, v in sorted(cfg.mooncake.items())) or "settings from MOONCAKE_CONFIG_PATH"
     logger.info(
-        "vllm_aio: AioConnector role=%s backend=%s pool=%s size=%.2fGiB load=%s save=%s "
+        "vllm_aio: AioConnector role=%s backend=%s %s load=%s save=%s "
         "save_decode_cache=%s block_size=%d block_bytes=%d namespace=%s (%s)",
         transfer.kv_role,
         cfg.backend,
-        dep.pool_name,
-        cfg.local_pool_size / 2**30,
+        store,
         dep.load_enabled,
         dep.save_enabled,
         dep.save_decode_cache,
