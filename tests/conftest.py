@@ -137,6 +137,7 @@ PROMPTS = {
     "pd_new": make_prompts(3, [600]),
     "small_pool": make_prompts(4, [900, 1100, 1300]),
     "faults": make_prompts(5, [800, 1200]),
+    "tp2": make_prompts(6, [900, 1300]),
 }
 
 
@@ -147,6 +148,18 @@ def baseline(tiny_model: Path, tmp_path_factory) -> dict[str, list[dict]]:
     Each set runs as a batch of its own, as in the tests: batch composition
     changes chunking and thus float rounding, which can flip a near-tie token.
     """
-    names = list(PROMPTS)
+    names = [n for n in PROMPTS if n != "tp2"]
     rounds = Engine(tiny_model, tmp_path_factory.mktemp("baseline")).run([PROMPTS[n] for n in names])
     return dict(zip(names, rounds))
+
+
+# Tensor parallel 2 on a 2-core machine: one core per rank (vLLM's default
+# binding fails with "Not enough allowed NUMA nodes to bind threads").
+TP2 = {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+
+
+@pytest.fixture(scope="session")
+def baseline_tp2(tiny_model: Path, tmp_path_factory) -> list[dict]:
+    """No-connector output at TP=2 (TP changes float rounding, so it has its own baseline)."""
+    (results,) = Engine(tiny_model, tmp_path_factory.mktemp("baseline_tp2")).run([PROMPTS["tp2"]], **TP2)
+    return results

@@ -31,6 +31,8 @@ def run(spec: dict) -> dict:
         # rounding, which flips near-tie tokens of a random model. Running
         # alone, a request's result depends only on its own KV.
         max_num_seqs=spec.get("max_num_seqs", 1),
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+        distributed_executor_backend="mp",
         kv_transfer_config=spec.get("kv_transfer_config"),
         seed=0,
     )

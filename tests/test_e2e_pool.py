@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from conftest import PROMPTS, aio_config, assert_same_generation, require
+from conftest import PROMPTS, TP2, aio_config, assert_same_generation
 
 
 def _cached_fraction(result: dict) -> float:
@@ -103,3 +103,13 @@ def test_pool_down_serves_every_request_by_recompute(engine, baseline):
     assert_same_generation(warm, baseline["faults"])
     assert engine.last_log.count("pool save failed") == 1
     assert "pool lookup failed, treating as a miss" in engine.last_log
+
+
+def test_tensor_parallel_ranks_load_their_own_heads(engine, baseline_tp2):
+    # Each rank holds one of the model's two KV heads: a key without the rank
+    # (vLLM's ExampleConnector's mistake at TP=2) would serve the wrong head.
+    prompts = PROMPTS["tp2"]
+    cold, warm = engine.run([prompts, prompts], aio_config(local_pool_size="256MB"), **TP2)
+    assert all(_cached_fraction(r) >= 0.8 for r in warm), [r["cached"] for r in warm]
+    assert_same_generation(cold, baseline_tp2)
+    assert_same_generation(warm, baseline_tp2)
