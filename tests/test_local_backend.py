@@ -316,15 +316,15 @@ def test_slot_evicted_and_rewritten_after_pin_is_no_longer_valid(name):
 def test_get_of_slot_evicted_and_rewritten_during_copy_is_corrupt(name, monkeypatch):
     reader = open_backend(name, slots=4)
     writer = open_backend(name, slots=4)
-    real_copy_out = local._copy_out
+    real_scatter = local.scatter
 
     def copy_while_another_process_evicts(src, segments):
         put(writer, [f"new{i}" for i in range(4)])
-        real_copy_out(src, segments)
+        real_scatter(src, segments)
 
     try:
         put(reader, ["victim"])
-        monkeypatch.setattr(local, "_copy_out", copy_while_another_process_evicts)
+        monkeypatch.setattr(local, "scatter", copy_while_another_process_evicts)
         statuses, _ = get(reader, ["victim"])
         assert statuses == [Status.CORRUPT]
     finally:

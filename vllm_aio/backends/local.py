@@ -9,10 +9,10 @@ and it is sealed (unlinked) once the last of its processes has attached.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 
 from vllm_aio.backends.base import Backend, Segment, Status
+from vllm_aio.backends.segments import gather, scatter, total
 from vllm_aio.pool.host_pool import SharedHostPool, slots_for
 
 
@@ -36,11 +36,11 @@ class LocalBackend(Backend):
                 out.append(Status.EXISTS)
             elif slot < 0:
                 out.append(Status.NO_SPACE)
-            elif _total(segs) != self.pool.slot_size:
+            elif total(segs) != self.pool.slot_size:
                 self.pool.abandon([slot])
                 out.append(Status.ERROR)
             else:
-                _copy_in(self.pool.slot_address(slot), segs)
+                gather(segs, self.pool.slot_address(slot))
                 filled.append(i)
                 out.append(Status.OK)
         won = self.pool.commit([keys[i] for i in filled], [slots[i] for i in filled])
@@ -56,11 +56,11 @@ class LocalBackend(Backend):
         for segs, pinned in zip(segments, self.pool.pin_for_read(keys)):
             if pinned is None:
                 out.append(Status.MISSING)
-            elif _total(segs) != self.pool.slot_size:
+            elif total(segs) != self.pool.slot_size:
                 out.append(Status.CORRUPT)
             else:
                 slot, version = pinned
-                _copy_out(self.pool.slot_address(slot), segs)
+                scatter(self.pool.slot_address(slot), segs)
                 # Evicted and rewritten while we copied: the bytes are torn.
                 ok = self.pool.still_valid(slot, version)
                 out.append(Status.OK if ok else Status.CORRUPT)
@@ -69,18 +69,3 @@ class LocalBackend(Backend):
     def close(self) -> None:
         self.pool.close()
 
-
-def _total(segments: Sequence[Segment]) -> int:
-    return sum(size for _, size in segments)
-
-
-def _copy_in(dst: int, segments: Sequence[Segment]) -> None:
-    for addr, size in segments:
-        ctypes.memmove(dst, addr, size)
-        dst += size
-
-
-def _copy_out(src: int, segments: Sequence[Segment]) -> None:
-    for addr, size in segments:
-        ctypes.memmove(addr, src, size)
-        src += size

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_aio.backends.base import Backend, Segment, Status
+from vllm_aio.backends.segments import gather, scatter, total
 from vllm_aio.config import ConfigError, parse_size
 
 # Mooncake ErrorCode values this backend distinguishes.
@@ -436,7 +437,7 @@ class MooncakeBackend(Backend):
         """
         if all(len(s) == 1 for s in segments):
             return "single"
-        totals = [_total(s) for s in segments]
+        totals = [total(s) for s in segments]
         count = sum(len(s) for s in segments)
         small = sum(totals) < count * self._stage_below and max(totals) <= STAGING_SIZE
         return "multi" if self._multi and not small else "staged"
@@ -513,20 +514,20 @@ class _Staging:
     def put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], idx: list[int]) -> list[int]:
         def transfer(rnd: list[int], offsets: list[int]) -> list[int]:
             for i, off in zip(rnd, offsets):
-                _gather(segments[i], self._base + off)
+                gather(segments[i], self._base + off)
             return self._store.batch_put_from(
-                [keys[i] for i in rnd], [self._base + o for o in offsets], [_total(segments[i]) for i in rnd]
+                [keys[i] for i in rnd], [self._base + o for o in offsets], [total(segments[i]) for i in rnd]
             )
 
         return self._rounds(segments, idx, transfer)
 
     def get(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], idx: list[int]) -> list[int]:
         def transfer(rnd: list[int], offsets: list[int]) -> list[int]:
-            sizes = [_total(segments[i]) for i in rnd]
+            sizes = [total(segments[i]) for i in rnd]
             codes = self._store.batch_get_into([keys[i] for i in rnd], [self._base + o for o in offsets], sizes)
             for i, off, size, code in zip(rnd, offsets, sizes, codes):
                 if code == size:
-                    _scatter(self._base + off, segments[i])
+                    scatter(self._base + off, segments[i])
             return codes
 
         return self._rounds(segments, idx, transfer)
@@ -550,7 +551,7 @@ class _Staging:
         offsets: list[int] = []
         used = 0
         for i in idx:
-            size = _total(segments[i])
+            size = total(segments[i])
             if size > self._size:
                 codes[i] = INVALID_PARAMS
                 continue
@@ -562,22 +563,6 @@ class _Staging:
             used += size
         if rnd:
             yield rnd, offsets
-
-
-def _total(segs: Sequence[Segment]) -> int:
-    return sum(n for _, n in segs)
-
-
-def _gather(segs: Sequence[Segment], dst: int) -> None:
-    for addr, n in segs:
-        ctypes.memmove(dst, addr, n)
-        dst += n
-
-
-def _scatter(src: int, segs: Sequence[Segment]) -> None:
-    for addr, n in segs:
-        ctypes.memmove(addr, src, n)
-        src += n
 
 
 def _columns(segments: Sequence[Sequence[Segment]], idx: list[int]) -> tuple[list[list[int]], list[list[int]]]:
