@@ -159,7 +159,14 @@ TP2 = {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
 
 
 @pytest.fixture(scope="session")
-def baseline_tp2(tiny_model: Path, tmp_path_factory) -> list[dict]:
+def tiny_1kv_model() -> Path:
+    require("vllm")
+    from vllm_aio.devtools.tiny_model import PRESETS, ensure_model
+
+    return ensure_model(ROOT / "models" / "tiny_1kv", PRESETS["tiny_1kv"])
+
+
+def tp2_baseline(model: Path, workdir: Path) -> list[dict]:
     """No-connector output at TP=2 (TP changes float rounding, so it has its own baseline)."""
-    (results,) = Engine(tiny_model, tmp_path_factory.mktemp("baseline_tp2")).run([PROMPTS["tp2"]], **TP2)
+    (results,) = Engine(model, workdir).run([PROMPTS["tp2"]], **TP2)
     return results

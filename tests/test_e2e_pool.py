@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from conftest import PROMPTS, TP2, aio_config, assert_same_generation
+from conftest import PROMPTS, TP2, aio_config, assert_same_generation, tp2_baseline
 
 
 def _cached_fraction(result: dict) -> float:
@@ -36,13 +36,14 @@ def test_model_output_varies(baseline):
 
 
 
-def _block_bytes(model) -> int:
-    """One block of every layer of the tiny model (bf16, block size 32)."""
+def _block_bytes(model, tp: int = 1) -> int:
+    """One rank's block of every layer (bf16, block size 32); KV heads split over TP."""
     import json
 
     cfg = json.loads((model / "config.json").read_text())
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 32 * 2
+    heads_per_rank = max(1, cfg["num_key_value_heads"] // tp)
+    return cfg["num_hidden_layers"] * 2 * heads_per_rank * head_dim * 32 * 2
 
 
 def test_producer_stores_and_consumer_only_loads(engine, baseline, tiny_model):
@@ -105,11 +106,31 @@ def test_pool_down_serves_every_request_by_recompute(engine, baseline):
     assert "pool lookup failed, treating as a miss" in engine.last_log
 
 
-def test_tensor_parallel_ranks_load_their_own_heads(engine, baseline_tp2):
+def _tp2_run(engine, model, baseline: list[dict]) -> int:
+    """Cold then warm at TP=2 on a named pool; returns how many blocks it holds."""
+    from vllm_aio.pool.host_pool import SharedHostPool
+
+    name = f"tp2-{uuid.uuid4().hex[:8]}"
+    holder = SharedHostPool(name, _block_bytes(model, tp=2), 4096)
+    try:
+        prompts = PROMPTS["tp2"]
+        cold, warm = engine.run([prompts, prompts], aio_config(local_pool_name=name), **TP2)
+        assert all(_cached_fraction(r) >= 0.8 for r in warm), [r["cached"] for r in warm]
+        assert_same_generation(cold, baseline)
+        assert_same_generation(warm, baseline)
+        return holder.usage().num_ready
+    finally:
+        holder.close()
+
+
+def test_tensor_parallel_ranks_store_and_load_their_own_heads(engine, tiny_model, tmp_path):
     # Each rank holds one of the model's two KV heads: a key without the rank
     # (vLLM's ExampleConnector's mistake at TP=2) would serve the wrong head.
-    prompts = PROMPTS["tp2"]
-    cold, warm = engine.run([prompts, prompts], aio_config(local_pool_size="256MB"), **TP2)
-    assert all(_cached_fraction(r) >= 0.8 for r in warm), [r["cached"] for r in warm]
-    assert_same_generation(cold, baseline_tp2)
-    assert_same_generation(warm, baseline_tp2)
+    stored = _tp2_run(engine, tiny_model, tp2_baseline(tiny_model, tmp_path))
+    assert stored == 2 * sum(len(p) // 32 for p in PROMPTS["tp2"])
+
+
+def test_ranks_holding_identical_kv_store_one_copy_between_them(engine, tiny_1kv_model, tmp_path):
+    # One KV head: both ranks hold the same bytes; each stores half the blocks.
+    stored = _tp2_run(engine, tiny_1kv_model, tp2_baseline(tiny_1kv_model, tmp_path))
+    assert stored == sum(len(p) // 32 for p in PROMPTS["tp2"])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_aio.pool.keys import Namespace, RankCoord, all_rank_coords, block_key
+from vllm_aio.pool.keys import Namespace, block_key
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,38 +76,6 @@ def test_digest_tells_apart_values_that_print_alike():
 # ---- rank coordinates -----------------------------------------------------------
 
 
-def test_rank_coord_defaults_to_rank_zero_everywhere():
-    assert RankCoord().shard == "tp0.pp0.pcp0.dcp0"
-
-
-def test_shard_names_every_coordinate():
-    assert RankCoord(tp=3, pp=1, pcp=2, dcp=1).shard == "tp3.pp1.pcp2.dcp1"
-
-
-def test_single_rank_deployment_has_one_coordinate():
-    assert all_rank_coords(namespace()) == [RankCoord()]
-
-
-@pytest.mark.parametrize(("tp", "pp", "pcp"), [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 3, 2)])
-def test_all_rank_coords_enumerates_tp_pp_pcp_once_each(tp, pp, pcp):
-    coords = all_rank_coords(namespace(tp_size=tp, pp_size=pp, pcp_size=pcp))
-    assert len(coords) == tp * pp * pcp
-    assert {(c.tp, c.pp, c.pcp) for c in coords} == set(itertools.product(range(tp), range(pp), range(pcp)))
-
-
-def test_all_rank_coords_have_distinct_shards():
-    coords = all_rank_coords(namespace(tp_size=4, pp_size=2, pcp_size=2, dcp_size=2))
-    assert len({c.shard for c in coords}) == len(coords) == 16
-
-
-def test_dcp_rank_is_tp_rank_modulo_dcp_size():
-    coords = all_rank_coords(namespace(tp_size=4, dcp_size=2))
-    assert [(c.tp, c.dcp) for c in coords] == [(0, 0), (1, 1), (2, 0), (3, 1)]
-
-
-# ---- key format --------------------------------------------------------------------
-
-
 def test_block_key_joins_prefix_namespace_shard_and_hex_hash():
     assert block_key("0123456789abcdef", "tp0.pp0.pcp0.dcp0", b"\x00\x01\xfe\xff") == (
         "aio:0123456789abcdef:tp0.pp0.pcp0.dcp0:0001feff"
@@ -118,9 +86,9 @@ def test_block_keys_differ_by_namespace_shard_and_hash():
     ns_a, ns_b = namespace().digest(), namespace(salt="other").digest()
     h = bytes(range(32))
     keys = {
-        block_key(ns_a, RankCoord().shard, h),
-        block_key(ns_b, RankCoord().shard, h),
-        block_key(ns_a, RankCoord(tp=1).shard, h),
-        block_key(ns_a, RankCoord().shard, h[:-1] + b"\xff"),
+        block_key(ns_a, "pp0.pcp0.dcp0.h0", h),
+        block_key(ns_b, "pp0.pcp0.dcp0.h0", h),
+        block_key(ns_a, "pp0.pcp0.dcp0.h1", h),
+        block_key(ns_a, "pp0.pcp0.dcp0.h0", h[:-1] + b"\xff"),
     }
     assert len(keys) == 4

@@ -11,7 +11,8 @@ import pytest
 from vllm_aio.backends import Backend, Status
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.scheduler import AioScheduler
-from vllm_aio.pool.keys import Namespace, all_rank_coords, block_key
+from vllm_aio.pool.keys import Namespace, block_key
+from vllm_aio.pool.ownership import Ownership
 
 BS = 4
 
@@ -56,16 +57,19 @@ class Req:
         return self.num_prompt_tokens + self.num_output_tokens
 
 
-def deployment(tp: int = 1, load: bool = True, save: bool = True, decode: bool = False) -> Deployment:
+def deployment(tp: int = 1, load: bool = True, save: bool = True, decode: bool = False, heads: int = 8) -> Deployment:
     ns = Namespace("m", "bf16", "auto", BS, "LBHNC", "amx", tp, 1, 1, 1, 0, "")
-    return Deployment(ns, BS, ("l0",), 64, load, save, decode, "p")
+    return Deployment(ns, BS, ("l0",), 64, load, save, decode, "p", heads, False)
 
 
-def store(backend: DictBackend, dep: Deployment, req: Req, num_blocks: int, ranks=None) -> None:
-    coords = all_rank_coords(dep.namespace) if ranks is None else ranks
+def shards(dep: Deployment) -> list[str]:
+    return Ownership(dep.topology()).all_shard_ids()
+
+
+def store(backend: DictBackend, dep: Deployment, req: Req, num_blocks: int, only=None) -> None:
     for h in req.block_hashes[:num_blocks]:
-        for c in coords:
-            backend.keys.add(block_key(dep.namespace.digest(), c.shard, h))
+        for shard in only or shards(dep):
+            backend.keys.add(block_key(dep.namespace.digest(), shard, h))
 
 
 def blocks(ids):
@@ -101,7 +105,7 @@ def test_lookup_stops_at_the_first_missing_block():
     backend, dep = DictBackend(), deployment()
     req = Req("a", 20)
     store(backend, dep, req, 5)
-    backend.keys.remove(block_key(dep.namespace.digest(), "tp0.pp0.pcp0.dcp0", req.block_hashes[2]))
+    backend.keys.remove(block_key(dep.namespace.digest(), "pp0.pcp0.dcp0.h0", req.block_hashes[2]))
     assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (8, False)
 
 
@@ -121,11 +125,11 @@ def test_lookup_is_repeatable_without_side_effects_on_the_answer():
     assert answers == {(12, False)}
 
 
-def test_block_counts_as_hit_only_when_every_rank_stored_it():
+def test_block_counts_as_hit_only_when_every_shard_is_stored():
     backend, dep = DictBackend(), deployment(tp=2)
     req = Req("a", 20)
-    rank0 = [c for c in all_rank_coords(dep.namespace) if c.tp == 0]
-    store(backend, dep, req, 5, ranks=rank0)
+    assert shards(dep) == ["pp0.pcp0.dcp0.h0", "pp0.pcp0.dcp0.h1"]
+    store(backend, dep, req, 5, only=["pp0.pcp0.dcp0.h0"])
     assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (0, False)
     store(backend, dep, req, 5)
     assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (19, False)
@@ -223,3 +227,21 @@ def test_hit_tokens_never_exceed_the_prompt_minus_one(computed):
     store(backend, dep, req, 3)
     n, _ = AioScheduler(dep, backend).get_num_new_matched_tokens(req, computed)
     assert computed + n == 11
+
+
+def test_ranks_holding_identical_kv_share_one_shard():
+    # One KV head over two TP ranks: both hold the same bytes, one key per block.
+    backend, dep = DictBackend(), deployment(tp=2, heads=1)
+    req = Req("a", 20)
+    assert shards(dep) == ["pp0.pcp0.dcp0.h0"]
+    store(backend, dep, req, 5)
+    assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (19, False)
+
+
+def test_transfers_carry_the_request_position_of_their_first_block():
+    sched = AioScheduler(deployment(), DictBackend())
+    req = Req("a", 18)
+    sched.update_state_after_alloc(req, blocks([7, 8, 9]), 0)
+    sched.build_connector_meta(step(new=[("a", [7, 8, 9], 0)], scheduled={"a": 10}))
+    meta = sched.build_connector_meta(step(cached=[("a", [10], 10, False)], scheduled={"a": 8}))
+    assert meta.saves[0].first_index == 2

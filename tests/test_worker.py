@@ -13,7 +13,8 @@ from vllm_aio.backends.local import LocalBackend
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, LookupCounts
 from vllm_aio.connector.worker import AioWorker
-from vllm_aio.pool.keys import Namespace, RankCoord
+from vllm_aio.pool.keys import Namespace
+from vllm_aio.pool.ownership import Ownership
 
 LAYERS, NUM_BLOCKS, PAGE = ("l0", "l1"), 16, (2, 4, 8)  # [blocks, heads, tokens, channels]
 PAGE_BYTES = 2 * 4 * 8 * 2
@@ -28,11 +29,11 @@ def kv_caches(seed: int) -> dict[str, torch.Tensor]:
 def make_worker():
     made = []
 
-    def make(backend=None, caches=None, coord=RankCoord()):
-        ns = Namespace("m", "bf16", "auto", 8, "LBHNC", "amx", 1, 1, 1, 1, 0, "")
-        dep = Deployment(ns, 8, LAYERS, PAGE_BYTES * len(LAYERS), True, True, False, "p")
+    def make(backend=None, caches=None, tp_size=1, tp_rank=0, heads=4):
+        ns = Namespace("m", "bf16", "auto", 8, "LBHNC", "amx", tp_size, 1, 1, 1, 0, "")
+        dep = Deployment(ns, 8, LAYERS, PAGE_BYTES * len(LAYERS), True, True, False, "p", heads, False)
         backend = backend or LocalBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, dep.value_bytes, seal=True)
-        worker = AioWorker(dep, backend, coord)
+        worker = AioWorker(dep, backend, Ownership(dep.topology(tp_rank=tp_rank)))
         worker.register_kv_caches(caches if caches is not None else kv_caches(0), NUM_BLOCKS)
         made.append(worker)
         return worker, backend
@@ -42,8 +43,9 @@ def make_worker():
         w.close()
 
 
-def transfer(block_ids, tag="x"):
-    return BlockTransfer("r", list(block_ids), [f"{tag}{i}".encode() for i in range(len(block_ids))])
+def transfer(block_ids, tag="x", first_index=0):
+    hashes = [f"{tag}{first_index + i}".encode() for i in range(len(block_ids))]
+    return BlockTransfer("r", list(block_ids), hashes, first_index)
 
 
 def test_saved_blocks_load_back_into_other_block_ids_byte_for_byte(make_worker):
@@ -105,7 +107,7 @@ def test_stats_count_bytes_and_skip_known_blocks(make_worker):
 
 
 def test_only_rank_zero_reports_lookup_counts(make_worker):
-    worker, _ = make_worker(coord=RankCoord(tp=1))
+    worker, _ = make_worker(tp_size=2, tp_rank=1)
     worker.start_load_kv(AioConnectorMetadata(lookups=LookupCounts(16, 4)))
     assert worker.take_stats() is None
 
@@ -117,3 +119,20 @@ def test_kv_cache_of_unexpected_size_is_refused_at_registration(make_worker):
 
 def test_status_stored_means_ok_or_exists():
     assert {s for s in Status if s.stored} == {Status.OK, Status.EXISTS}
+
+
+def test_replicas_split_the_stores_and_each_loads_every_block(make_worker):
+    # One KV head over two TP ranks: identical bytes, stored once between them.
+    caches = kv_caches(1)
+    rank0, backend = make_worker(caches=caches, tp_size=2, tp_rank=0, heads=1)
+    rank1, _ = make_worker(backend=backend, caches=caches, tp_size=2, tp_rank=1, heads=1)
+    for worker in (rank0, rank1):
+        worker.wait_for_save(AioConnectorMetadata(saves=[transfer([1, 2, 3, 4, 5])]))
+    assert backend.pool.usage().num_ready == 5
+    assert rank0.take_stats().data["save_blocks"] == 3 and rank1.take_stats().data["save_blocks"] == 2
+    for worker in (rank0, rank1):
+        dst = kv_caches(2)
+        worker.register_kv_caches(dst, NUM_BLOCKS)
+        worker.start_load_kv(AioConnectorMetadata(loads=[transfer([10, 11, 12, 13, 14])]))
+        assert worker.get_block_ids_with_load_errors() == set()
+        assert all(torch.equal(dst[n][10:15], caches[n][1:6]) for n in LAYERS)

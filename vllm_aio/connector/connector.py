@@ -24,7 +24,7 @@ from vllm_aio.connector.scheduler import AioScheduler
 from vllm_aio.connector.stats import AioConnectorStats, AioPromMetrics
 from vllm_aio.connector.worker import AioWorker
 from vllm_aio.log import get_logger
-from vllm_aio.pool.keys import RankCoord
+from vllm_aio.pool.ownership import Ownership
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from vllm_aio.pool.ownership import Topology
 
 logger = get_logger(__name__)
 
@@ -55,7 +57,7 @@ class AioConnector(KVConnectorBase_V1):
             self._scheduler = AioScheduler(dep, backend)
             _log_start(cfg, dep, transfer)
         else:
-            self._worker = AioWorker(dep, backend, _rank_coord())
+            self._worker = AioWorker(dep, backend, Ownership(_topology(dep)))
 
     # ---- worker side -------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
@@ -111,14 +113,14 @@ class AioConnector(KVConnectorBase_V1):
         return AioPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-def _rank_coord() -> RankCoord:
+def _topology(dep) -> "Topology":
     from vllm.distributed import parallel_state as ps
 
-    return RankCoord(
-        tp=ps.get_tensor_model_parallel_rank(),
-        pp=ps.get_pp_group().rank_in_group,
-        pcp=ps.get_pcp_group().rank_in_group,
-        dcp=ps.get_dcp_group().rank_in_group,
+    return dep.topology(
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pp_group().rank_in_group,
+        pcp_rank=ps.get_pcp_group().rank_in_group,
+        dcp_rank=ps.get_dcp_group().rank_in_group,
     )
 
 

@@ -15,6 +15,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from vllm_aio.config import AioConfig, ConfigError
 from vllm_aio.pool.keys import Namespace
+from vllm_aio.pool.ownership import Topology
 
 # vLLM's xxhash variants seed each process randomly: a key stored by one
 # process would never be found by another.
@@ -31,6 +32,16 @@ class Deployment:
     save_enabled: bool
     save_decode_cache: bool
     pool_name: str  # the embedded pool's name (local backend)
+    num_kv_heads: int  # in the whole model (MLA: see use_mla)
+    use_mla: bool
+
+    def topology(self, tp_rank: int = 0, pp_rank: int = 0, pcp_rank: int = 0, dcp_rank: int = 0) -> Topology:
+        ns = self.namespace
+        return Topology(
+            tp_size=ns.tp_size, tp_rank=tp_rank, num_kv_heads=self.num_kv_heads, use_mla=self.use_mla,
+            pcp_size=ns.pcp_size, pcp_rank=pcp_rank, dcp_size=ns.dcp_size, dcp_rank=dcp_rank,
+            pp_size=ns.pp_size, pp_rank=pp_rank,
+        )
 
 
 def build_deployment(
@@ -51,12 +62,15 @@ def build_deployment(
         )
     spec = groups[0].kv_cache_spec
     layers = tuple(groups[0].layer_names)
+    # request.block_hashes cover hash_block_size tokens each (block_size x PCP
+    # x DCP under context parallelism): keys and hits count in those blocks.
+    block_size = kv_cache_config.hash_block_size
     parallel = vllm_config.parallel_config
     namespace = Namespace(
         model=str(vllm_config.model_config.model),
         dtype=str(vllm_config.model_config.dtype),
         kv_cache_dtype=str(cache.cache_dtype),
-        block_size=spec.block_size,
+        block_size=block_size,
         kv_layout=str(kv_cache_config.kv_cache_layout),
         attn_isa=_attention_isa(vllm_config, spec),
         tp_size=parallel.tensor_parallel_size,
@@ -69,7 +83,7 @@ def build_deployment(
     role = vllm_config.kv_transfer_config.kv_role
     return Deployment(
         namespace=namespace,
-        block_size=spec.block_size,
+        block_size=block_size,
         layer_names=layers,
         value_bytes=spec.page_size_bytes * len(layers),
         load_enabled=role == "kv_both" or (role == "kv_consumer" and cfg.consumer_is_to_load),
@@ -77,6 +91,8 @@ def build_deployment(
         or (role == "kv_consumer" and cfg.consumer_is_to_put),
         save_decode_cache=cfg.save_decode_cache,
         pool_name=cfg.local_pool_name or f"engine-{vllm_config.kv_transfer_config.engine_id}",
+        num_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+        use_mla=bool(vllm_config.model_config.use_mla),
     )
 
 

@@ -14,6 +14,7 @@ class BlockTransfer:
     req_id: str
     block_ids: list[int]  # vLLM block ids (the request's only KV cache group)
     block_hashes: list[bytes]  # vLLM's chained hash of each block, same order
+    first_index: int  # position of block_ids[0] in the request: decides its owner rank
 
 
 @dataclass

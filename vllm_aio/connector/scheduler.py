@@ -20,7 +20,8 @@ from vllm_aio.backends import Backend
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, LookupCounts
 from vllm_aio.log import get_logger
-from vllm_aio.pool.keys import all_rank_coords, block_key
+from vllm_aio.pool.keys import block_key
+from vllm_aio.pool.ownership import Ownership
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -50,7 +51,8 @@ class AioScheduler:
         self._dep = deployment
         self._backend = backend
         digest = deployment.namespace.digest()
-        self._shards = [(digest, c.shard) for c in all_rank_coords(deployment.namespace)]
+        # A block hits only when every distinct shard of the deployment is stored.
+        self._shards = [(digest, s) for s in Ownership(deployment.topology()).hit_shard_ids()]
         # req_id -> latest lookup answer; replaced on every call (idempotent).
         self._plans: dict[str, _LoadPlan] = {}
         # Loads decided by update_state_after_alloc, sent with the next metadata.
@@ -104,7 +106,7 @@ class AioScheduler:
         last = -(-(plan.local_tokens + num_external_tokens) // bs)
         block_ids = blocks.get_block_ids()[0]
         self._pending_loads.append(
-            BlockTransfer(req_id, list(block_ids[first:last]), list(request.block_hashes[first:last]))
+            BlockTransfer(req_id, list(block_ids[first:last]), list(request.block_hashes[first:last]), first)
         )
         self._lookups.hit_tokens += num_external_tokens
         self._lookups.miss_tokens += prompt_tokens - plan.local_tokens - num_external_tokens
@@ -155,6 +157,7 @@ class AioScheduler:
                 request.request_id,
                 tracker.block_ids[start:full],
                 list(request.block_hashes[start:full]),
+                start,
             )
         )
         tracker.num_saved_blocks = full

@@ -24,18 +24,21 @@ from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer
 from vllm_aio.connector.stats import AioConnectorStats
 from vllm_aio.log import get_logger
-from vllm_aio.pool.keys import RankCoord, block_key
+from vllm_aio.pool.keys import block_key
+from vllm_aio.pool.ownership import Ownership
 
 logger = get_logger(__name__)
 
 
 class AioWorker:
-    def __init__(self, deployment: Deployment, backend: Backend, coord: RankCoord) -> None:
+    def __init__(self, deployment: Deployment, backend: Backend, ownership: Ownership) -> None:
         self._dep = deployment
         self._backend = backend
         self._digest = deployment.namespace.digest()
-        self._shard = coord.shard
-        self._reports_lookups = coord == RankCoord()  # rank 0 speaks for the scheduler
+        self._owner = ownership
+        t = ownership.topology
+        # The first rank speaks for the scheduler, so TP does not multiply lookups.
+        self._reports_lookups = not (t.tp_rank or t.pp_rank or t.pcp_rank or t.dcp_rank)
         self._layout: BlockLayout | None = None
         self._load_errors: set[int] = set()
         self._save_failures_logged: set[Status] = set()
@@ -52,12 +55,16 @@ class AioWorker:
             self._backend.register_memory(address, size)
         self._layout = layout
 
-    def _keys(self, transfer: BlockTransfer) -> list[str]:
-        return [block_key(self._digest, self._shard, h) for h in transfer.block_hashes]
+    def _keys(self, transfer: BlockTransfer, positions: list[int]) -> list[str]:
+        return [block_key(self._digest, self._owner.shard_id, transfer.block_hashes[i]) for i in positions]
 
-    def _segments(self, transfer: BlockTransfer) -> list:
+    def _segments(self, transfer: BlockTransfer, positions: list[int]) -> list:
         assert self._layout is not None, "register_kv_caches was not called"
-        return [self._layout.segments(b) for b in transfer.block_ids]
+        return [self._layout.segments(transfer.block_ids[i]) for i in positions]
+
+    def _owned(self, transfer: BlockTransfer) -> list[int]:
+        """Positions of the blocks this rank stores (one replica of each shard does)."""
+        return [i for i in range(len(transfer.block_ids)) if self._owner.stores(transfer.first_index + i)]
 
     # ---- loads -----------------------------------------------------------
     def start_load_kv(self, meta: AioConnectorMetadata) -> None:
@@ -67,14 +74,17 @@ class AioWorker:
             self._load(transfer)
 
     def _load(self, transfer: BlockTransfer) -> None:
+        # Every rank loads its shard of every block; replicas of a shard start
+        # at different blocks so they do not all hit the same values at once.
+        positions = self._owner.read_order(range(len(transfer.block_ids)))
         start = time.perf_counter()
         try:
-            statuses = self._backend.batch_get(self._keys(transfer), self._segments(transfer))
+            statuses = self._backend.batch_get(self._keys(transfer, positions), self._segments(transfer, positions))
         except Exception as exc:  # the pool failed as a whole: every block is lost
-            statuses = [Status.ERROR] * len(transfer.block_ids)
+            statuses = [Status.ERROR] * len(positions)
             logger.warning("vllm_aio: load for request %s failed: %s", transfer.req_id, exc)
         elapsed = time.perf_counter() - start
-        failed = [b for b, s in zip(transfer.block_ids, statuses) if s is not Status.OK]
+        failed = [transfer.block_ids[i] for i, s in zip(positions, statuses) if s is not Status.OK]
         loaded = len(statuses) - len(failed)
         self.stats.add(
             load_blocks=loaded,
@@ -102,8 +112,11 @@ class AioWorker:
     def wait_for_save(self, meta: AioConnectorMetadata) -> None:
         if not meta.saves:
             return
-        keys = [k for t in meta.saves for k in self._keys(t)]
-        segments = [s for t in meta.saves for s in self._segments(t)]
+        owned = [(t, self._owned(t)) for t in meta.saves]
+        keys = [k for t, positions in owned for k in self._keys(t, positions)]
+        segments = [s for t, positions in owned for s in self._segments(t, positions)]
+        if not keys:
+            return
         start = time.perf_counter()
         try:
             statuses = self._backend.batch_put(keys, segments)

@@ -45,6 +45,8 @@ class ModelSpec:
 
 PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(),
+    # One KV head: under TP every rank holds the same KV (stored once).
+    "tiny_1kv": ModelSpec(num_kv_heads=1),
     # A few hundred million parameters: prefill costs real time on a CPU,
     # which is what a pool hit is supposed to save.
     "medium": ModelSpec(

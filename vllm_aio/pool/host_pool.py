@@ -155,6 +155,7 @@ class SharedHostPool:
                 if created:  # last: a sweeper only trusts pools that show a magic
                     self._header[_H_MAGIC] = _MAGIC
         except BaseException:
+            self._drop_orphaned_lock()
             os.close(self._lock_fd)
             raise
         self._closed = False
@@ -180,6 +181,12 @@ class SharedHostPool:
             if current:
                 return fd
             os.close(fd)
+
+    def _drop_orphaned_lock(self) -> None:
+        """After a failed attach: no pool, so no lock file either."""
+        with self._locked():
+            if not self.path.exists():
+                lock_path(self.name).unlink(missing_ok=True)
 
     def _map(self, slot_size: int, num_slots: int) -> bool:
         """Map the pool, creating it if absent; True if created."""
