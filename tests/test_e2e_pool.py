@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from conftest import PROMPTS, TP2, aio_config, assert_same_generation, tp2_baseline
+from conftest import PROMPTS, TP2, Engine, aio_config, assert_same_generation, tp2_baseline
 
 
 def _cached_fraction(result: dict) -> float:
@@ -106,10 +106,11 @@ def test_pool_down_serves_every_request_by_recompute(engine, baseline):
     assert "pool lookup failed, treating as a miss" in engine.last_log
 
 
-def _tp2_run(engine, model, baseline: list[dict]) -> int:
+def _tp2_run(model, workdir, baseline: list[dict]) -> int:
     """Cold then warm at TP=2 on a named pool; returns how many blocks it holds."""
     from vllm_aio.pool.host_pool import SharedHostPool
 
+    engine = Engine(model, workdir)
     name = f"tp2-{uuid.uuid4().hex[:8]}"
     holder = SharedHostPool(name, _block_bytes(model, tp=2), 4096)
     try:
@@ -123,14 +124,14 @@ def _tp2_run(engine, model, baseline: list[dict]) -> int:
         holder.close()
 
 
-def test_tensor_parallel_ranks_store_and_load_their_own_heads(engine, tiny_model, tmp_path):
+def test_tensor_parallel_ranks_store_and_load_their_own_heads(tiny_model, tmp_path):
     # Each rank holds one of the model's two KV heads: a key without the rank
     # (vLLM's ExampleConnector's mistake at TP=2) would serve the wrong head.
-    stored = _tp2_run(engine, tiny_model, tp2_baseline(tiny_model, tmp_path))
+    stored = _tp2_run(tiny_model, tmp_path, tp2_baseline(tiny_model, tmp_path))
     assert stored == 2 * sum(len(p) // 32 for p in PROMPTS["tp2"])
 
 
-def test_ranks_holding_identical_kv_store_one_copy_between_them(engine, tiny_1kv_model, tmp_path):
+def test_ranks_holding_identical_kv_store_one_copy_between_them(tiny_1kv_model, tmp_path):
     # One KV head: both ranks hold the same bytes; each stores half the blocks.
-    stored = _tp2_run(engine, tiny_1kv_model, tp2_baseline(tiny_1kv_model, tmp_path))
+    stored = _tp2_run(tiny_1kv_model, tmp_path, tp2_baseline(tiny_1kv_model, tmp_path))
     assert stored == sum(len(p) // 32 for p in PROMPTS["tp2"])
