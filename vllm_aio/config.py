@@ -9,7 +9,8 @@ kind of misconfiguration for a cache: everything works, nothing hits.
 Environment variables (documented in the README) override the extra config:
 ``VLLM_AIO_BACKEND`` and ``VLLM_AIO_LOCAL_POOL_SIZE``; the Mooncake backend also
 reads ``MOONCAKE_CONFIG_PATH``, ``MOONCAKE_MASTER`` and
-``MOONCAKE_GLOBAL_SEGMENT_SIZE`` (see ``backends/mooncake.py``).
+``MOONCAKE_GLOBAL_SEGMENT_SIZE`` (see ``backends/mooncake.py``), the Memcache
+backend the file named by ``MMC_LOCAL_CONFIG_PATH`` (see ``backends/memcache.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-BACKENDS = ("local", "mooncake")
+BACKENDS = ("local", "mooncake", "memcache")
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*$", re.IGNORECASE)

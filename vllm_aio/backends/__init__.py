@@ -15,7 +15,8 @@ def create_backend(cfg: AioConfig, pool_name: str, value_bytes: int, for_schedul
 
     ``for_scheduler``: the store is opened by vLLM's scheduler, which only
     looks keys up and is created after every worker of the instance: a private
-    embedded pool can be sealed, and a Mooncake client contributes no memory.
+    embedded pool can be sealed, and a Mooncake or Memcache client contributes
+    no memory.
     """
     if cfg.backend == "local":
         from vllm_aio.backends.local import LocalBackend
@@ -29,4 +30,11 @@ def create_backend(cfg: AioConfig, pool_name: str, value_bytes: int, for_schedul
         if for_scheduler:
             settings = dataclasses.replace(settings, global_segment_size=0)
         return MooncakeBackend(settings)
+    if cfg.backend == "memcache":
+        from vllm_aio.backends.memcache import MemcacheBackend, MemcacheSettings
+
+        settings = MemcacheSettings.load()
+        if for_scheduler:  # a lookup-only client: no memory, no device needed
+            settings = dataclasses.replace(settings, lookup_only=True)
+        return MemcacheBackend(settings)
     raise AssertionError(f"unvalidated backend {cfg.backend!r}")
