@@ -20,13 +20,14 @@ def _cached_fraction(result: dict) -> float:
 
 def test_second_pass_is_served_from_pool_with_baseline_output(engine, baseline):
     prompts = PROMPTS["warm"]
-    pools_before = set(glob.glob("/dev/shm/vllm_aio.*"))
+    # Private pools are named after the engine; other pools may come and go.
+    pools_before = set(glob.glob("/dev/shm/vllm_aio.engine-*"))
     cold, warm = engine.run([prompts, prompts], aio_config(local_pool_size="256MB"))
     assert all(r["cached"] == 0 for r in cold)
     assert all(_cached_fraction(r) >= 0.8 for r in warm), [r["cached"] for r in warm]
     assert_same_generation(cold, baseline["warm"])
     assert_same_generation(warm, baseline["warm"])
-    assert set(glob.glob("/dev/shm/vllm_aio.*")) == pools_before, "the private pool outlived its engine"
+    assert set(glob.glob("/dev/shm/vllm_aio.engine-*")) <= pools_before, "the private pool outlived its engine"
 
 
 def test_model_output_varies(baseline):
