@@ -18,10 +18,15 @@ first-token latency (``RequestOutput.metrics.first_token_latency``); the median
 over ``--repeats`` (x ``--rounds`` fresh engines) is reported, the minimum too.
 
 Every engine runs in a subprocess (``benchmarks/_engine.py``) with the same
-pinned environment (``VLLM_CPU_OMP_THREADS_BIND``, ``PYTHONHASHSEED=0``). The
-four measuring engines are alive at once and their requests interleave one at
-a time (the system order rotates per prompt, ``--gap`` seconds apart), so load
-from other processes on a shared machine hits all systems alike.
+pinned environment (``VLLM_CPU_OMP_THREADS_BIND``, ``PYTHONHASHSEED=0``).
+Measuring engines run in groups that are alive at once, a vllm_aio engine in
+every group (``--group-size 2``: vllm_aio+Example, vllm_aio+prefix-cache,
+vllm_aio+recompute); within a group the requests interleave one at a time (the
+order rotates per prompt, ``--gap`` seconds apart), so load from other
+processes on a shared machine hits both sides of each ratio alike. Each ratio
+uses the vllm_aio samples of its own group. ``--group-size 4`` runs all four
+at once (about 4 GiB of memory per medium engine: four were OOM-killed here
+next to other sessions' tests).
 
     .venv/bin/python benchmarks/ttft.py --models tiny,medium --lengths 1024,2048,4096 --repeats 3
 """
@@ -226,8 +231,16 @@ def example_config(path: Path) -> dict:
     }
 
 
+def engine_groups(group_size: int) -> list[list[str]]:
+    """Measuring engines alive at once: vllm_aio in every group, with up to
+    ``group_size - 1`` of the others, so each ratio compares interleaved requests."""
+    others = ["ExampleConnector", "prefix-cache", "recompute"]
+    step = max(1, group_size - 1)
+    return [["vllm_aio", *others[i:i + step]] for i in range(0, len(others), step)]
+
+
 def bench_model(name: str, lengths: list[int], repeats: int, rounds: int, timeout: float,
-                gap: float, keep: bool = False) -> dict:
+                gap: float, group_size: int, keep: bool = False) -> dict:
     from vllm_aio.config import parse_size
     from vllm_aio.devtools.tiny_model import PRESETS, ensure_model
     from vllm_aio.pool.host_pool import SharedHostPool, slots_for
@@ -268,26 +281,30 @@ def bench_model(name: str, lengths: list[int], repeats: int, rounds: int, timeou
         engines.close(list(a.values()))
         usage = holder.usage()
         print(f"  pool after engines A: {usage.num_ready} blocks ({usage.bytes_used / 2**20:.0f} MiB)", flush=True)
+        groups = engine_groups(group_size)
         turn = 0
         for rnd in range(rounds):
-            # Engines B, all alive at once; their requests interleave, one at a time.
-            b = {s: engines.start(f"{s}-B{rnd}", configs[s], prefix_caching=s == "prefix-cache")
-                 for s in SYSTEMS}
-            engines.wait_ready(list(b.values()))
-            time.sleep(gap)
-            for n in lengths:  # prefix cache: the same engine computes the prompt first
-                cold["prefix-cache"][n] = b["prefix-cache"].request(f"fill/{n}", prompts[n], timeout)
+            for gi, group in enumerate(groups):
+                # The group's engines B are alive at once; their requests interleave, one at a time.
+                b = {s: engines.start(f"{s}-B{rnd}g{gi}", configs[s], prefix_caching=s == "prefix-cache")
+                     for s in group}
+                engines.wait_ready(list(b.values()))
                 time.sleep(gap)
-            for r in range(repeats):
-                for n in lengths:
-                    order = SYSTEMS[turn % len(SYSTEMS):] + SYSTEMS[:turn % len(SYSTEMS)]
-                    turn += 1
-                    for system in order:
-                        samples[system][n].append(b[system].request(f"warm/{n}/r{r}", prompts[n], timeout))
-                        time.sleep(gap)  # let the last engine's spinning threads go idle
-            for e in b.values():
-                record(e)
-            engines.close(list(b.values()))
+                if "prefix-cache" in b:  # the same engine computes the prompt first
+                    for n in lengths:
+                        cold["prefix-cache"][n] = b["prefix-cache"].request(f"fill/{n}", prompts[n], timeout)
+                        time.sleep(gap)
+                for r in range(repeats):
+                    for n in lengths:
+                        order = group[turn % len(group):] + group[:turn % len(group)]
+                        turn += 1
+                        for system in order:
+                            step = b[system].request(f"warm/{n}/r{r}", prompts[n], timeout)
+                            samples[system][n].append({**step, "group": gi, "round": rnd})
+                            time.sleep(gap)  # let the last engine's spinning threads go idle
+                for e in b.values():
+                    record(e)
+                engines.close(list(b.values()))
     except BaseException:
         engines.kill_all()
         raise
@@ -313,8 +330,17 @@ def bench_model(name: str, lengths: list[int], repeats: int, rounds: int, timeou
                 "samples_ttft_s": [s["ttft_s"] for s in ss],
                 "cold_ttft_s": cold[system][n]["ttft_s"] if n in cold[system] else None,
             }
+        # aio/X from the vllm_aio samples of X's own group (interleaved with X's requests).
+        for system in SYSTEMS:
+            if system == "vllm_aio":
+                continue
+            groups_of_x = {s["group"] for s in samples[system][n]}
+            aio = [s["ttft_s"] for s in samples["vllm_aio"][n] if s["group"] in groups_of_x]
+            xs = [s["ttft_s"] for s in samples[system][n]]
+            row["vllm_aio"][f"ratio_to_{system}"] = statistics.median(aio) / statistics.median(xs)
+            row["vllm_aio"][f"ratio_min_to_{system}"] = min(aio) / min(xs)
         rows.append(row)
-    return {"rows": rows, "engines": info, "pool_value_bytes": slot}
+    return {"rows": rows, "engines": info, "pool_value_bytes": slot, "groups": groups}
 
 
 def check_hits(row: dict) -> list[str]:
@@ -337,21 +363,22 @@ def print_tables(rows: list[dict]) -> None:
     goal = ("", "", "", "", "", "", "(<= 0.5)", "(<= 2.0)", "")
     table = [head, goal]
     for r in rows:
-        aio = r["vllm_aio"]["ttft_s"]
+        aio = r["vllm_aio"]
         table.append((
             r["model"], str(r["prompt_tokens"]),
             fmt_ms(r["recompute"]["ttft_s"]), fmt_ms(r["ExampleConnector"]["ttft_s"]),
-            fmt_ms(aio), fmt_ms(r["prefix-cache"]["ttft_s"]),
-            f"{aio / r['ExampleConnector']['ttft_s']:.2f}", f"{aio / r['prefix-cache']['ttft_s']:.2f}",
-            f"{aio / r['recompute']['ttft_s']:.3f}",
+            fmt_ms(aio["ttft_s"]), fmt_ms(r["prefix-cache"]["ttft_s"]),
+            f"{aio['ratio_to_ExampleConnector']:.2f}", f"{aio['ratio_to_prefix-cache']:.2f}",
+            f"{aio['ratio_to_recompute']:.3f}",
         ))
-    _print(table, "Warm-request TTFT in a fresh engine (median; ms)")
+    _print(table, "Warm-request TTFT in a fresh engine (median; ms). Ratios: median of the vllm_aio "
+                  "samples taken in the same engine group (interleaved) / median of the other system")
     mins = [head[:2] + ("recompute", "Example", "vllm_aio", "prefix", "aio/Example", "aio/prefix", "aio/recomp")]
     for r in rows:
-        v = {s: r[s]["ttft_min_s"] for s in SYSTEMS}
+        v, aio = {s: r[s]["ttft_min_s"] for s in SYSTEMS}, r["vllm_aio"]
         mins.append((r["model"], str(r["prompt_tokens"]), *(fmt_ms(v[s]) for s in SYSTEMS),
-                     f"{v['vllm_aio'] / v['ExampleConnector']:.2f}", f"{v['vllm_aio'] / v['prefix-cache']:.2f}",
-                     f"{v['vllm_aio'] / v['recompute']:.3f}"))
+                     f"{aio['ratio_min_to_ExampleConnector']:.2f}", f"{aio['ratio_min_to_prefix-cache']:.2f}",
+                     f"{aio['ratio_min_to_recompute']:.3f}"))
     _print(mins, "Same, minimum over samples (ms)")
     cached = [("model", "tokens", "recompute", "Example", "vllm_aio", "prefix")]
     for r in rows:
@@ -380,12 +407,15 @@ def main() -> int:
     parser.add_argument("--lengths", default="1024,2048,4096")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1,
-                        help="fresh measuring engines per system (order alternates per round)")
+                        help="times to repeat the measuring phase with fresh engines")
     parser.add_argument("--timeout", type=float, default=900,
                         help="seconds an engine may take to start, or to answer one request")
     parser.add_argument("--gap", type=float, default=1.5,
                         help="idle seconds between requests (vLLM workers spin ~1 s after each step)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--group-size", type=int, default=2,
+                        help="measuring engines alive at once (vllm_aio + N-1 others); 4 = all, "
+                             "needs ~4 GiB per medium engine")
     parser.add_argument("--keep-logs", action="store_true", help="keep the engines' specs and logs")
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]
@@ -401,7 +431,7 @@ def main() -> int:
     try:
         for name in models:
             res = bench_model(name, lengths, args.repeats, args.rounds, args.timeout, args.gap,
-                              args.keep_logs)
+                              args.group_size, args.keep_logs)
             out["models"][name] = res
             rows.extend(res["rows"])
     except EngineFailed as exc:
