@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from vllm_aio.pool.ownership import Ownership, Topology, effective_block_size
+from vllm_aio.pool.ownership import Ownership, Topology
 
 TP_SIZES = (1, 2, 4, 8, 16)
 KV_HEADS = (1, 2, 4, 8, 32)
@@ -107,7 +107,7 @@ def test_block_is_hit_exactly_when_every_shard_key_exists() -> None:
             expected = all((s, i) in store for s in shards)
             hits, misses = hits + expected, misses + (not expected)
             for own in ranks:
-                assert own.is_hit(i, lambda s, b: (s, b) in store) == expected, (layout, i)
+                assert all((s, i) in store for s in own.hit_shard_ids()) == expected, (layout, i)
     assert hits > 100 and misses > 100
 
 
@@ -213,8 +213,3 @@ def test_topology_rejects_bad_fields(kwargs: dict[str, int], message: str) -> No
     fields = {"tp_size": 4, "tp_rank": 0, "num_kv_heads": 1, "use_mla": False} | kwargs
     with pytest.raises(ValueError, match=message):
         Topology(**fields)
-
-
-def test_effective_block_size_multiplies_by_context_parallel_sizes() -> None:
-    assert effective_block_size(16, 1, 1) == 16
-    assert effective_block_size(16, 2, 4) == 128

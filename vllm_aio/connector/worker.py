@@ -64,7 +64,8 @@ class AioWorker:
 
     def _owned(self, transfer: BlockTransfer) -> list[int]:
         """Positions of the blocks this rank stores (one replica of each shard does)."""
-        return [i for i in range(len(transfer.block_ids)) if self._owner.stores(transfer.first_index + i)]
+        first = transfer.first_index
+        return [i - first for i in self._owner.owned_blocks(range(first, first + len(transfer.block_ids)))]
 
     # ---- loads -----------------------------------------------------------
     def start_load_kv(self, meta: AioConnectorMetadata) -> None:

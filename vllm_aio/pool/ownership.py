@@ -21,13 +21,8 @@ token shards instead; only what remains is true replication.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-
-def effective_block_size(block_size: int, pcp_size: int, dcp_size: int) -> int:
-    """vLLM's hash block size (tokens) when context parallelism shards blocks."""
-    return block_size * pcp_size * dcp_size
 
 
 def _check_rank(name: str, rank: int, size: int) -> None:
@@ -129,10 +124,6 @@ class Ownership:
         part, so this is every shard, not just this rank's stage.
         """
         return self.all_shard_ids()
-
-    def is_hit(self, block_index: int, exists: Callable[[str, int], bool]) -> bool:
-        """Whether ``exists(shard_id, block_index)`` holds for every hit shard."""
-        return all(exists(shard, block_index) for shard in self.hit_shard_ids())
 
     def stores(self, block_index: int) -> bool:
         """Whether this rank writes the block (fixed split over replicas)."""
