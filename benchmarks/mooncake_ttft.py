@@ -112,19 +112,15 @@ def pool_summary(pool) -> dict:
         return {"keys": None, "error": str(exc)}
 
 
-def settle(pools: dict, quiet_s: float = 3.0, limit_s: float = 120.0) -> dict:
-    """Wait until every pool's key count has not changed for ``quiet_s`` (saves may be asynchronous)."""
+def settle(pools: dict, expected: int, limit_s: float = 180.0) -> dict:
+    """Wait until every pool holds ``expected`` keys (saves may be asynchronous), at most ``limit_s``."""
     start = time.monotonic()
-    last = {s: pool_summary(p)["keys"] for s, p in pools.items()}
-    stable_since = time.monotonic()
     while time.monotonic() - start < limit_s:
-        time.sleep(0.5)
-        now = {s: pool_summary(p)["keys"] for s, p in pools.items()}
-        if now != last:
-            last, stable_since = now, time.monotonic()
-        elif time.monotonic() - stable_since >= quiet_s:
+        if all((pool_summary(p)["keys"] or 0) >= expected for p in pools.values()):
             break
-    return {"waited_s": time.monotonic() - start, **{s: pool_summary(p) for s, p in pools.items()}}
+        time.sleep(0.25)
+    return {"expected_keys": expected, "waited_s": round(time.monotonic() - start, 2),
+            **{s: pool_summary(p) for s, p in pools.items()}}
 
 
 class Bench:
@@ -241,8 +237,9 @@ class Bench:
                         del a[s]
                     time.sleep(args.gap)
             # Saves may still be in flight (theirs run on a sending thread): engines A exit only once
-            # both pools' key counts have been still for a few seconds.
-            pool_state = {"after_A": settle(self.pools)}
+            # both pools hold every full block of the prompts and the warm-up, once per TP rank.
+            expected = (sum(n // 32 for n in lengths) + 64 // 32) * self.tp
+            pool_state = {"after_A": settle(self.pools, expected, args.settle)}
             print(f"  pools after engines A: {pool_state['after_A']}", flush=True)
             for e in a.values():
                 keep_log(e)
@@ -376,6 +373,8 @@ def main() -> int:
                         help="seconds an engine may take to start, or to answer one request")
     parser.add_argument("--gap", type=float, default=1.5,
                         help="idle seconds between requests (vLLM workers spin ~1 s after each step)")
+    parser.add_argument("--settle", type=float, default=180,
+                        help="seconds engines A may take for their saves to land in the pool")
     parser.add_argument("--tp2-bind", default="0|1",
                         help="VLLM_CPU_OMP_THREADS_BIND at TP=2 (one core per rank by default)")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -393,11 +392,14 @@ def main() -> int:
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
            "model": args.model, "repeats": args.repeats, "pool_size": args.pool_size, "runs": []}
     rows: list[dict] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     try:
         for tp in tps:
             res = Bench(model_dir, tp, lengths, args, workdir).run()
             out["runs"].append(res)
             rows.extend(res["rows"])
+            out["rows"] = rows
+            args.out.write_text(json.dumps(out, indent=1))  # partial results survive a later failure
     finally:
         if args.keep_logs:
             print(f"kept logs in {workdir}")
@@ -405,7 +407,6 @@ def main() -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     out["elapsed_s"] = time.perf_counter() - started
     out["rows"] = rows
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     print_tables(rows)
     for run in out["runs"]:
