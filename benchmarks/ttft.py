@@ -28,6 +28,13 @@ uses the vllm_aio samples of its own group. ``--group-size 4`` runs all four
 at once (about 4 GiB of memory per medium engine: four were OOM-killed here
 next to other sessions' tests).
 
+What each system computes at a block-aligned length N (block 32): vllm_aio
+loads N-1 tokens and computes 1; ExampleConnector and the prefix cache hit
+N-32 and compute the last 32. At N = 32k+1 vllm_aio and the prefix cache both
+compute 1 token (a like-for-like floor), but ExampleConnector never hits: it
+stores under the hash of its first align(N) tokens and looks up align(N-1)
+ones, which differ exactly when N-1 is a multiple of the block size.
+
     .venv/bin/python benchmarks/ttft.py --models tiny,medium --lengths 1024,2048,4096 --repeats 3
 """
 
@@ -60,7 +67,7 @@ SYSTEMS = ("recompute", "ExampleConnector", "vllm_aio", "prefix-cache")
 # Per model: KV cache space of each engine (GiB) and max_model_len.
 MODEL_SETTINGS = {
     "tiny": {"kv_gib": 1, "max_model_len": 8192},
-    # 1 GiB holds 32k tokens of the medium model: plenty, and four engines fit in memory at once.
+    # 1 GiB holds 32k tokens of the medium model: plenty, and keeps several engines in memory at once.
     "medium": {"kv_gib": 1, "max_model_len": 8192},
 }
 MIN_HIT = 0.8  # warm requests must have at least this share of their prompt cached
