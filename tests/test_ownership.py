@@ -1,14 +1,19 @@
 """Property tests of block ownership over a grid of vLLM parallel layouts.
 
-A layout is valid when it passes vLLM's own checks: dcp_size divides tp_size
-and does not exceed the KV head replication factor (max(1, tp_size //
-num_kv_heads) for GQA, tp_size for MLA). Every other combination is rejected.
-The expected bytes of a rank are modelled independently of the module: the
-set of KV heads it holds, its DCP and PCP token shard, and its PP stage.
+Every rank of a deployment is simulated in pure Python: each stores the blocks
+its ``Ownership`` assigns it, and a lookup asks for every shard of
+``hit_shard_ids``. A layout is in the grid when vLLM 0.32 itself accepts it
+(``_vllm_accepts``); the others are skipped by the property tests, since no
+engine could start with them, and must be refused by ``Topology``.
+
+What a rank holds is modelled independently of the module: its pipeline stage,
+its DCP token shard (from DCP groups built the way vLLM's
+``initialize_model_parallel`` builds them) and the set of KV heads it holds.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from collections import Counter, defaultdict
@@ -16,19 +21,35 @@ from collections.abc import Iterator
 
 import pytest
 
+from vllm_aio.pool.keys import block_key
 from vllm_aio.pool.ownership import Ownership, Topology
 
 TP_SIZES = (1, 2, 4, 8, 16)
 KV_HEADS = (1, 2, 4, 8, 32)
 CP_SIZES = (1, 2, 4)
 PP_SIZES = (1, 2)
-BLOCK_COUNTS = (0, 1, 2, 3, 7, 16, 33)
+BLOCK_COUNTS = (0, 1, 2, 3, 5, 7, 13, 16, 31, 37)
+DIGEST = "0123456789abcdef"
 
 Layout = tuple[int, int, bool, int, int, int]  # tp, kv heads, mla, pcp, dcp, pp
 
 
-def _head_replication(tp: int, heads: int, mla: bool) -> int:
-    return tp if mla else max(1, tp // heads)
+def _vllm_accepts(tp: int, heads: int, mla: bool, pcp: int, dcp: int) -> bool:
+    """vLLM 0.32's checks of a TP/PCP/DCP layout.
+
+    ``ParallelConfig`` (vllm/config/parallel.py): without PCP, DCP reuses the TP
+    ranks, so dcp_size divides tp_size; with PCP, DCP is 1, spans the PCP axis
+    or spans TP x PCP. ``ModelConfig.verify_with_parallel_config``
+    (vllm/config/model.py): for GQA/MQA (not MLA), DCP needs tp_size > KV heads
+    and dcp_size <= tp_size // KV heads. Not modelled: its check that query
+    heads per KV head divide by dcp_size (Topology never sees query heads; vLLM
+    stops before any connector exists).
+    """
+    if pcp == 1 and tp % dcp:
+        return False
+    if pcp > 1 and dcp not in (1, pcp, tp * pcp):
+        return False
+    return mla or dcp == 1 or (tp > heads and dcp <= tp // heads)
 
 
 def _layouts(valid: bool = True) -> Iterator[Layout]:
@@ -36,25 +57,36 @@ def _layouts(valid: bool = True) -> Iterator[Layout]:
     for tp, heads, mla, pcp, dcp, pp in grid:
         if mla and heads != KV_HEADS[0]:
             continue  # MLA ignores num_kv_heads: one head count is enough
-        ok = tp % dcp == 0 and dcp <= _head_replication(tp, heads, mla)
-        if ok == valid:
+        if _vllm_accepts(tp, heads, mla, pcp, dcp) == valid:
             yield tp, heads, mla, pcp, dcp, pp
 
 
-def _ranks(layout: Layout) -> list[Ownership]:
+def _dcp_ranks(tp: int, pcp: int, dcp: int) -> dict[tuple[int, int], int]:
+    """(tp_rank, pcp_rank) -> DCP rank, as vLLM builds its DCP groups: the stage's
+    PCP x TP rank grid transposed to TP x PCP and cut into runs of dcp_size."""
+    order = [(t, p) for t in range(tp) for p in range(pcp)]
+    groups = [order[i : i + dcp] for i in range(0, len(order), dcp)]
+    return {rank: group.index(rank) for group in groups for rank in group}
+
+
+@functools.cache
+def _ranks(layout: Layout) -> tuple[Ownership, ...]:
+    """Every rank of the deployment, as the connector's workers build them."""
     tp, heads, mla, pcp, dcp, pp = layout
-    return [
-        Ownership(Topology(tp, t, heads, mla, pcp, p, dcp, t % dcp, pp, s))
+    dcp_rank = _dcp_ranks(tp, pcp, dcp)
+    return tuple(
+        Ownership(Topology(tp, t, heads, mla, pcp, p, dcp, dcp_rank[t, p], pp, s))
         for s in range(pp)
         for p in range(pcp)
         for t in range(tp)
-    ]
+    )
 
 
 def _bytes_held(layout: Layout, own: Ownership) -> tuple[object, ...]:
-    """What a rank holds, from first principles: stage, token shards, heads."""
-    tp, heads, mla, _, dcp, _ = layout
+    """What a rank holds, from first principles: stage, token shard, heads."""
+    tp, heads, mla, pcp, dcp, _ = layout
     t = own.topology
+    tokens = _dcp_ranks(tp, pcp, dcp)[t.tp_rank, t.pcp_rank]  # dcp 1: all tokens on every rank
     if mla:
         held: tuple[object, ...] = ("latent",)
     elif heads >= tp:
@@ -62,7 +94,7 @@ def _bytes_held(layout: Layout, own: Ownership) -> tuple[object, ...]:
         held = tuple(range(t.tp_rank * per_rank, (t.tp_rank + 1) * per_rank))
     else:
         held = (t.tp_rank // (tp // heads),)
-    return t.pp_rank, t.pcp_rank, t.tp_rank % dcp, held
+    return t.pp_rank, tokens, held
 
 
 def _groups(layout: Layout) -> dict[str, list[Ownership]]:
@@ -72,9 +104,41 @@ def _groups(layout: Layout) -> dict[str, list[Ownership]]:
     return groups
 
 
+def _hashes(n: int) -> list[bytes]:
+    return [i.to_bytes(4, "big") for i in range(n)]
+
+
+def _stored_keys(ranks: tuple[Ownership, ...], hashes: list[bytes]) -> Counter[str]:
+    """Every key every rank writes for a request with these block hashes."""
+    return Counter(
+        block_key(DIGEST, own.shard_id, hashes[i]) for own in ranks for i in own.owned_blocks(len(hashes))
+    )
+
+
+def _lookup_keys(own: Ownership, block_hash: bytes) -> list[str]:
+    return [block_key(DIGEST, shard, block_hash) for shard in own.hit_shard_ids()]
+
+
 def test_grid_has_valid_and_invalid_layouts() -> None:
     assert len(list(_layouts())) > 100
     assert len(list(_layouts(valid=False))) > 50
+
+
+@pytest.mark.parametrize(
+    ("layout", "accepted"),
+    [
+        ((1, 1, True, 2, 2, 1), True),  # DCP spans the PCP axis of one TP rank
+        ((2, 1, True, 2, 4, 1), True),  # DCP spans TP x PCP
+        ((4, 1, False, 2, 2, 1), True),
+        ((4, 1, True, 2, 4, 1), False),  # with PCP, DCP is 1, pcp or tp x pcp
+        ((4, 1, False, 1, 8, 1), False),  # DCP does not divide TP
+        ((4, 4, False, 1, 2, 1), False),  # GQA: TP must exceed the KV heads
+        ((8, 2, False, 1, 8, 1), False),  # GQA: DCP at most TP // KV heads
+        ((2, 1, False, 2, 4, 1), False),
+    ],
+)
+def test_grid_follows_vllm_layout_rules(layout: Layout, accepted: bool) -> None:
+    assert (layout in set(_layouts())) == accepted
 
 
 def test_every_shard_block_is_stored_by_exactly_one_rank() -> None:
@@ -85,39 +149,51 @@ def test_every_shard_block_is_stored_by_exactly_one_rank() -> None:
             assert set(stored.values()) <= {1}, (layout, n)
 
 
-def test_stored_union_equals_what_a_lookup_requires() -> None:
+def test_stored_keys_equal_the_keys_a_lookup_requires() -> None:
     for layout in _layouts():
         ranks = _ranks(layout)
-        for n in BLOCK_COUNTS:
-            stored = {(o.shard_id, i) for o in ranks for i in o.owned_blocks(n)}
+        for n in (0, 1, 7, 13):
+            hashes = _hashes(n)
+            stored = set(_stored_keys(ranks, hashes))
             for own in ranks:
-                required = set(itertools.product(own.hit_shard_ids(), range(n)))
+                required = {key for h in hashes for key in _lookup_keys(own, h)}
                 assert stored == required, (layout, n, own.topology)
+
+
+def test_replicas_of_a_shard_store_balanced_block_counts() -> None:
+    for layout in _layouts():
+        for shard, group in _groups(layout).items():
+            for n in BLOCK_COUNTS:
+                counts = [len(o.owned_blocks(n)) for o in group]
+                assert sum(counts) == n, (layout, shard, n)
+                assert max(counts) - min(counts) <= 1, (layout, shard, n, counts)
+                assert min(counts) == n // len(group), (layout, shard, n, counts)
 
 
 def test_block_is_hit_exactly_when_every_shard_key_exists() -> None:
     rng = random.Random(5030)
-    n, hits, misses = 16, 0, 0
+    hashes = _hashes(13)
+    hits = misses = 0
     for layout in _layouts():
         ranks = _ranks(layout)
+        stored = set(_stored_keys(ranks, hashes))
+        kept = {key for key in stored if rng.random() > 0.03}
         shards = {o.shard_id for o in ranks}
-        full = [(o.shard_id, i) for o in ranks for i in o.owned_blocks(n)]
-        store = {key for key in full if rng.random() > 0.02}
-        for i in range(n):
-            expected = all((s, i) in store for s in shards)
+        for h in hashes:
+            expected = all(block_key(DIGEST, s, h) in kept for s in shards)
             hits, misses = hits + expected, misses + (not expected)
             for own in ranks:
-                assert all((s, i) in store for s in own.hit_shard_ids()) == expected, (layout, i)
+                assert all(key in kept for key in _lookup_keys(own, h)) == expected, (layout, h)
     assert hits > 100 and misses > 100
 
 
 def test_all_shard_ids_are_sorted_identical_everywhere_and_cover_every_rank() -> None:
     for layout in _layouts():
-        tp, heads, mla, pcp, dcp, pp = layout
+        tp, heads, mla, _, dcp, pp = layout
         ranks = _ranks(layout)
         expected = sorted({o.shard_id for o in ranks})
-        head_shards = tp // _head_replication(tp, heads, mla)
-        assert len(expected) == pp * pcp * dcp * head_shards, layout
+        head_shards = 1 if mla else min(tp, heads)
+        assert len(expected) == pp * dcp * head_shards, layout
         for own in ranks:
             assert own.all_shard_ids() == expected, (layout, own.topology)
             assert own.hit_shard_ids() == expected, (layout, own.topology)
@@ -136,19 +212,12 @@ def test_shard_id_is_shared_exactly_by_ranks_holding_identical_bytes() -> None:
 
 def test_replicas_and_replica_index_enumerate_each_shard_group() -> None:
     for layout in _layouts():
-        tp, heads, mla, _, dcp, _ = layout
+        tp, heads, mla, pcp, dcp, _ = layout
+        rank_replication = (tp if mla else max(1, tp // heads)) * pcp // dcp
         for shard, group in _groups(layout).items():
-            assert len(group) == _head_replication(tp, heads, mla) // dcp, (layout, shard)
+            assert len(group) == rank_replication, (layout, shard)
             assert all(o.replicas == len(group) for o in group), (layout, shard)
             assert sorted(o.replica_index for o in group) == list(range(len(group)))
-
-
-def test_each_replica_stores_floor_or_ceil_of_its_share() -> None:
-    for layout in _layouts():
-        for own in _ranks(layout):
-            for n in BLOCK_COUNTS:
-                count = len(own.owned_blocks(n))
-                assert count in (n // own.replicas, -(-n // own.replicas)), (layout, n)
 
 
 def test_owned_blocks_of_a_range_match_stores() -> None:
@@ -172,25 +241,39 @@ def test_read_order_is_a_rotation_that_differs_between_replicas() -> None:
 
 def test_example_tp8_two_kv_heads_dcp2_names_and_replicas() -> None:
     ranks = _ranks((8, 2, False, 1, 2, 1))
-    assert [o.shard_id for o in ranks[:5]] == [
-        "pp0.pcp0.dcp0.h0",
-        "pp0.pcp0.dcp1.h0",
-        "pp0.pcp0.dcp0.h0",
-        "pp0.pcp0.dcp1.h0",
-        "pp0.pcp0.dcp0.h1",
-    ]
+    assert [o.shard_id for o in ranks[:5]] == ["pp0.dcp0.h0", "pp0.dcp1.h0", "pp0.dcp0.h0", "pp0.dcp1.h0", "pp0.dcp0.h1"]
     assert [(o.replicas, o.replica_index) for o in ranks[:4]] == [(2, 0), (2, 0), (2, 1), (2, 1)]
     assert ranks[0].read_order(range(6)) == [0, 1, 2, 3, 4, 5]
     assert ranks[2].read_order(range(6)) == [3, 4, 5, 0, 1, 2]
 
 
+def test_pcp_ranks_without_dcp_are_replicas_of_one_shard() -> None:
+    # vLLM 0.32: PCP without DCP gives every PCP rank a full copy of the KV cache.
+    ranks = _ranks((2, 2, False, 2, 1, 1))  # ranks ordered pcp-major: (p0,t0) (p0,t1) (p1,t0) (p1,t1)
+    assert [o.shard_id for o in ranks] == ["pp0.dcp0.h0", "pp0.dcp0.h1"] * 2
+    assert [(o.replicas, o.replica_index) for o in ranks] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+
+
+def test_dcp_spanning_pcp_shards_tokens_by_pcp_rank() -> None:
+    ranks = _ranks((2, 1, True, 2, 2, 1))
+    assert [o.topology.dcp_rank for o in ranks] == [0, 0, 1, 1]
+    assert [o.shard_id for o in ranks] == ["pp0.dcp0.h0", "pp0.dcp0.h0", "pp0.dcp1.h0", "pp0.dcp1.h0"]
+    assert [o.replica_index for o in ranks] == [0, 1, 0, 1]
+
+
+def test_dcp_spanning_tp_and_pcp_leaves_no_replicas() -> None:
+    ranks = _ranks((2, 1, True, 2, 4, 1))
+    assert sorted(o.shard_id for o in ranks) == [f"pp0.dcp{d}.h0" for d in range(4)]
+    assert all(o.replicas == 1 for o in ranks)
+
+
 def test_mla_counts_as_one_kv_head() -> None:
     ranks = _ranks((4, 32, True, 1, 1, 1))
-    assert {o.shard_id for o in ranks} == {"pp0.pcp0.dcp0.h0"}
+    assert {o.shard_id for o in ranks} == {"pp0.dcp0.h0"}
     assert [o.replica_index for o in ranks] == [0, 1, 2, 3]
 
 
-def test_topology_rejects_every_invalid_dcp_layout() -> None:
+def test_topology_rejects_every_layout_vllm_rejects() -> None:
     for tp, heads, mla, pcp, dcp, pp in _layouts(valid=False):
         with pytest.raises(ValueError, match="dcp_size"):
             Topology(tp, 0, heads, mla, pcp, 0, dcp, 0, pp, 0)
@@ -203,8 +286,11 @@ def test_topology_rejects_every_invalid_dcp_layout() -> None:
         ({"tp_size": 0}, "tp_size must be >= 1"),
         ({"pcp_size": 2, "pcp_rank": -1}, "pcp_rank=-1 out of range"),
         ({"pp_size": 2, "pp_rank": 2}, "pp_rank=2 out of range"),
-        ({"dcp_size": 2, "dcp_rank": 0, "tp_rank": 1}, "must equal tp_rank % dcp_size"),
+        ({"dcp_size": 2, "dcp_rank": 0, "tp_rank": 1}, r"must equal \(tp_rank \* pcp_size \+ pcp_rank\)"),
+        ({"pcp_size": 2, "pcp_rank": 1, "dcp_size": 2, "dcp_rank": 0}, r"must equal \(tp_rank"),
         ({"dcp_size": 3}, "must divide tp_size"),
+        ({"pcp_size": 2, "dcp_size": 4}, "must be 1, pcp_size or tp_size x pcp_size"),
+        ({"num_kv_heads": 4, "dcp_size": 2}, r"exceeds tp_size // num_kv_heads"),
         ({"num_kv_heads": 0}, "num_kv_heads must be >= 1"),
         ({"num_kv_heads": 3}, "one must divide the other"),
     ],

@@ -105,7 +105,7 @@ def test_lookup_stops_at_the_first_missing_block():
     backend, dep = DictBackend(), deployment()
     req = Req("a", 20)
     store(backend, dep, req, 5)
-    backend.keys.remove(block_key(dep.namespace.digest(), "pp0.pcp0.dcp0.h0", req.block_hashes[2]))
+    backend.keys.remove(block_key(dep.namespace.digest(), "pp0.dcp0.h0", req.block_hashes[2]))
     assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (8, False)
 
 
@@ -128,8 +128,8 @@ def test_lookup_is_repeatable_without_side_effects_on_the_answer():
 def test_block_counts_as_hit_only_when_every_shard_is_stored():
     backend, dep = DictBackend(), deployment(tp=2)
     req = Req("a", 20)
-    assert shards(dep) == ["pp0.pcp0.dcp0.h0", "pp0.pcp0.dcp0.h1"]
-    store(backend, dep, req, 5, only=["pp0.pcp0.dcp0.h0"])
+    assert shards(dep) == ["pp0.dcp0.h0", "pp0.dcp0.h1"]
+    store(backend, dep, req, 5, only=["pp0.dcp0.h0"])
     assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (0, False)
     store(backend, dep, req, 5)
     assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (19, False)
@@ -233,7 +233,7 @@ def test_ranks_holding_identical_kv_share_one_shard():
     # One KV head over two TP ranks: both hold the same bytes, one key per block.
     backend, dep = DictBackend(), deployment(tp=2, heads=1)
     req = Req("a", 20)
-    assert shards(dep) == ["pp0.pcp0.dcp0.h0"]
+    assert shards(dep) == ["pp0.dcp0.h0"]
     store(backend, dep, req, 5)
     assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (19, False)
 

@@ -1,8 +1,8 @@
 """Which rank stores which KV block, decided identically on every rank.
 
 A rank's KV bytes for one block are named by a *shard id*: its pipeline stage
-(layers), its prefill- and decode-context-parallel ranks (token shards) and its
-KV head shard. Ranks holding byte-identical KV (heads replicated because the
+(layers), its decode-context-parallel rank (token shard) and its KV head
+shard. Ranks holding byte-identical KV (heads replicated because the
 model has fewer KV heads than TP ranks, or MLA, which counts as one head) share
 a shard id, and only one of them must store each block.
 
@@ -14,9 +14,16 @@ who owned which block, and the pool ended up with holes and corrupted data.
 Here block ``i`` of a shard is stored by replica ``i % replicas``; block indices
 are stable because keys are prefix-chained hashes.
 
-vLLM carves the DCP group out of the TP group (``dcp_rank = tp_rank %
-dcp_size``) and uses ranks that would replicate KV heads to hold different
-token shards instead; only what remains is true replication.
+Context parallelism as vLLM 0.32 lays it out (``initialize_model_parallel``
+and ``ParallelConfig`` checks): for DCP the ranks of a pipeline stage are
+ordered TP-major, PCP-minor, and the DCP groups are consecutive runs of ``dcp_size`` ranks in
+that order (vLLM transposes its PCP x TP rank grid to build them), so ``dcp_rank = (tp_rank * pcp_size + pcp_rank) % dcp_size``.
+Without PCP that carves DCP out of the TP ranks (``tp_rank % dcp_size``);
+with PCP, DCP is 1 (every PCP rank keeps a full replica of the KV cache),
+``pcp_size`` (DCP spans the PCP ranks of one TP rank) or ``tp_size x
+pcp_size`` (every rank of the stage holds a different token shard). The bytes
+a rank holds are therefore named by its stage, its DCP rank and its KV head
+shard; the PCP rank is never a shard of its own.
 """
 
 from __future__ import annotations
@@ -63,32 +70,40 @@ class Topology:
             raise ValueError(f"num_kv_heads={heads} and tp_size={tp}: one must divide the other")
 
     def _check_dcp(self) -> None:
-        tp, dcp = self.tp_size, self.dcp_size
-        if tp % dcp:
+        """vLLM's own rules (``ParallelConfig``, ``ModelConfig``), so a rank's DCP rank is known."""
+        tp, pcp, dcp = self.tp_size, self.pcp_size, self.dcp_size
+        if pcp == 1 and tp % dcp:
             raise ValueError(f"dcp_size={dcp} must divide tp_size={tp}")
-        if self.dcp_rank != self.tp_rank % dcp:
+        if pcp > 1 and dcp not in (1, pcp, tp * pcp):
             raise ValueError(
-                f"dcp_rank={self.dcp_rank} must equal tp_rank % dcp_size = {self.tp_rank % dcp}"
+                f"dcp_size={dcp} with pcp_size={pcp} must be 1, pcp_size or tp_size x pcp_size ({tp * pcp})"
             )
-        if dcp > self.head_replication:
+        if not self.use_mla and dcp > max(1, tp // self.num_kv_heads):
             raise ValueError(
-                f"dcp_size={dcp} exceeds the KV head replication factor "
-                f"{self.head_replication} (tp_size={tp}, num_kv_heads={self.num_kv_heads}, "
-                f"use_mla={self.use_mla})"
+                f"dcp_size={dcp} exceeds tp_size // num_kv_heads (tp_size={tp}, num_kv_heads={self.num_kv_heads})"
+            )
+        expected = self.dcp_rank_of(self.tp_rank, self.pcp_rank)
+        if self.dcp_rank != expected:
+            raise ValueError(
+                f"dcp_rank={self.dcp_rank} must equal (tp_rank * pcp_size + pcp_rank) % dcp_size = {expected}"
             )
 
     @property
     def head_replication(self) -> int:
-        """TP ranks holding each KV head shard (before DCP splits them)."""
+        """TP ranks holding each KV head shard."""
         return self.tp_size if self.use_mla else max(1, self.tp_size // self.num_kv_heads)
 
-    def tp_shard(self, tp_rank: int) -> tuple[int, int]:
-        """(dcp rank, KV head shard index) of the bytes a TP rank holds."""
-        return tp_rank % self.dcp_size, tp_rank // self.head_replication
+    def dcp_rank_of(self, tp_rank: int, pcp_rank: int) -> int:
+        """The DCP rank vLLM gives the rank at (tp_rank, pcp_rank) of a stage."""
+        return (tp_rank * self.pcp_size + pcp_rank) % self.dcp_size
+
+    def shard_of(self, tp_rank: int, pcp_rank: int) -> tuple[int, int]:
+        """(DCP rank, KV head shard index) of the bytes a rank of a stage holds."""
+        return self.dcp_rank_of(tp_rank, pcp_rank), tp_rank // self.head_replication
 
 
-def _shard_id(pp: int, pcp: int, dcp: int, head: int) -> str:
-    return f"pp{pp}.pcp{pcp}.dcp{dcp}.h{head}"
+def _shard_id(pp: int, dcp: int, head: int) -> str:
+    return f"pp{pp}.dcp{dcp}.h{head}"
 
 
 class Ownership:
@@ -97,19 +112,15 @@ class Ownership:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         t = topology
-        mine = t.tp_shard(t.tp_rank)
-        peers = [r for r in range(t.tp_size) if t.tp_shard(r) == mine]
-        self.shard_id: str = _shard_id(t.pp_rank, t.pcp_rank, *mine)
+        stage = [(pcp, tp) for pcp in range(t.pcp_size) for tp in range(t.tp_size)]
+        mine = t.shard_of(t.tp_rank, t.pcp_rank)
+        peers = [(pcp, tp) for pcp, tp in stage if t.shard_of(tp, pcp) == mine]
+        self.shard_id: str = _shard_id(t.pp_rank, *mine)
         self.replicas: int = len(peers)
-        self.replica_index: int = peers.index(t.tp_rank)
-        tp_shards = {t.tp_shard(r) for r in range(t.tp_size)}
+        self.replica_index: int = peers.index((t.pcp_rank, t.tp_rank))
+        stage_shards = {t.shard_of(tp, pcp) for pcp, tp in stage}
         self._all_shard_ids = tuple(
-            sorted(
-                _shard_id(pp, pcp, dcp, head)
-                for pp in range(t.pp_size)
-                for pcp in range(t.pcp_size)
-                for dcp, head in tp_shards
-            )
+            sorted(_shard_id(pp, dcp, head) for pp in range(t.pp_size) for dcp, head in stage_shards)
         )
 
     def all_shard_ids(self) -> list[str]:
