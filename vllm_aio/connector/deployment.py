@@ -62,10 +62,8 @@ def build_deployment(
         )
     spec = groups[0].kv_cache_spec
     layers = tuple(groups[0].layer_names)
-    # request.block_hashes cover hash_block_size tokens each (block_size x PCP
-    # x DCP under context parallelism): keys and hits count in those blocks.
-    block_size = kv_cache_config.hash_block_size
     parallel = vllm_config.parallel_config
+    block_size = _block_size(kv_cache_config, spec, parallel.decode_context_parallel_size)
     namespace = Namespace(
         model=str(vllm_config.model_config.model),
         dtype=str(vllm_config.model_config.dtype),
@@ -94,6 +92,23 @@ def build_deployment(
         num_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
         use_mla=bool(vllm_config.model_config.use_mla),
     )
+
+
+def _block_size(kv_cache_config: KVCacheConfig, spec, dcp_size: int) -> int:
+    """Tokens per block of ``request.block_hashes`` and of the scheduler's block ids.
+
+    vLLM 0.32 hashes at ``hash_block_size`` and its KV cache manager hands out
+    block ids of the attention block size x DCP (a DCP-sharded block holds
+    1/DCP of its tokens on each rank); PCP scales neither. The scheduler half
+    indexes both lists with one block size, so they must agree.
+    """
+    block_id_tokens = spec.block_size * (dcp_size if spec.dcp_sharded else 1)
+    if kv_cache_config.hash_block_size != block_id_tokens:
+        raise ConfigError(
+            f"vLLM hashes blocks of {kv_cache_config.hash_block_size} tokens but its block ids cover "
+            f"{block_id_tokens}; AioConnector needs them equal"
+        )
+    return block_id_tokens
 
 
 def _attention_isa(vllm_config: VllmConfig, spec) -> str:
