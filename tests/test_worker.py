@@ -10,14 +10,18 @@ import torch
 
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
+from vllm_aio.config import AioConfig
 from vllm_aio.connector.deployment import Deployment
+from vllm_aio.connector.block_io import BlockRef
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, LookupCounts
 from vllm_aio.connector.worker import AioWorker
+from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Namespace
 from vllm_aio.pool.ownership import Ownership
 
 LAYERS, NUM_BLOCKS, PAGE = ("l0", "l1"), 16, (2, 4, 8)  # [blocks, heads, tokens, channels]
 PAGE_BYTES = 2 * 4 * 8 * 2
+VALUE_BYTES = HEADER_BYTES + PAGE_BYTES * len(LAYERS)
 
 
 def kv_caches(seed: int) -> dict[str, torch.Tensor]:
@@ -29,11 +33,11 @@ def kv_caches(seed: int) -> dict[str, torch.Tensor]:
 def make_worker():
     made = []
 
-    def make(backend=None, caches=None, tp_size=1, tp_rank=0, heads=4):
-        ns = Namespace("m", "bf16", "auto", 8, "LBHNC", "amx", tp_size, 1, 1, 1, 0, "")
-        dep = Deployment(ns, 8, LAYERS, PAGE_BYTES * len(LAYERS), True, True, False, "p", heads, False)
+    def make(backend=None, caches=None, tp_size=1, tp_rank=0, heads=4, salt="", **options):
+        cfg = AioConfig(staging_buffer_size=1 << 20, **options)
+        dep = deployment(cfg, tp_size, heads, salt)
         backend = backend or LocalBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, dep.value_bytes, seal=True)
-        worker = AioWorker(dep, backend, Ownership(dep.topology(tp_rank=tp_rank)))
+        worker = AioWorker(dep, backend, Ownership(dep.topology(tp_rank=tp_rank)), cfg)
         worker.register_kv_caches(caches if caches is not None else kv_caches(0), NUM_BLOCKS)
         made.append(worker)
         return worker, backend
@@ -41,6 +45,22 @@ def make_worker():
     yield make
     for w in made:
         w.close()
+
+
+def deployment(cfg: AioConfig, tp_size: int = 1, heads: int = 4, salt: str = "") -> Deployment:
+    ns = Namespace("m", "bf16", "auto", 8, "LBHNC", "amx", tp_size, 1, 1, 1, 0, salt)
+    layers = 1 if cfg.use_layerwise else len(LAYERS)
+    return Deployment(
+        namespace=ns, block_size=8, layer_names=LAYERS, layerwise=cfg.use_layerwise, load_async=cfg.load_async,
+        value_bytes=HEADER_BYTES + PAGE_BYTES * layers, load_enabled=True, save_enabled=True,
+        save_decode_cache=False, pool_name="p", num_kv_heads=heads, use_mla=False,
+    )
+
+
+def saved(worker: AioWorker, meta: AioConnectorMetadata) -> None:
+    """A step's saves, through to the pool (puts finish in the background)."""
+    worker.wait_for_save(meta)
+    worker._send.drain()
 
 
 def transfer(block_ids, tag="x", first_index=0):
@@ -51,7 +71,7 @@ def transfer(block_ids, tag="x", first_index=0):
 def test_saved_blocks_load_back_into_other_block_ids_byte_for_byte(make_worker):
     src_caches, dst_caches = kv_caches(1), kv_caches(2)
     saver, backend = make_worker(caches=src_caches)
-    saver.wait_for_save(AioConnectorMetadata(saves=[transfer([3, 4, 5])]))
+    saved(saver, AioConnectorMetadata(saves=[transfer([3, 4, 5])]))
     loader, _ = make_worker(backend=backend, caches=dst_caches)
     loader.start_load_kv(AioConnectorMetadata(loads=[transfer([9, 10, 11])]))
     assert loader.get_block_ids_with_load_errors() == set()
@@ -61,12 +81,12 @@ def test_saved_blocks_load_back_into_other_block_ids_byte_for_byte(make_worker):
 
 def test_missing_blocks_are_reported_as_load_errors_once(make_worker, caplog):
     worker, _ = make_worker()
-    worker.wait_for_save(AioConnectorMetadata(saves=[transfer([1])]))
+    saved(worker, AioConnectorMetadata(saves=[transfer([1])]))
     with caplog.at_level(logging.WARNING, logger="vllm"):
         worker.start_load_kv(AioConnectorMetadata(loads=[transfer([6, 7, 8])]))
     assert worker.get_block_ids_with_load_errors() == {7, 8}
     assert worker.get_block_ids_with_load_errors() == set()
-    assert "2 of 3 pool blocks could not be loaded (2 missing)" in caplog.text
+    assert "request r: 2 pool blocks could not be loaded (2 missing)" in caplog.text
 
 
 class _RaisingBackend(LocalBackend):
@@ -78,30 +98,30 @@ class _RaisingBackend(LocalBackend):
 
 
 def test_backend_failure_turns_every_block_into_a_load_error(make_worker):
-    backend = _RaisingBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, PAGE_BYTES * 2, seal=True)
+    backend = _RaisingBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, VALUE_BYTES, seal=True)
     worker, _ = make_worker(backend=backend)
     worker.start_load_kv(AioConnectorMetadata(loads=[transfer([2, 3])]))
     assert worker.get_block_ids_with_load_errors() == {2, 3}
 
 
 def test_failed_saves_are_logged_once_and_counted(make_worker, caplog):
-    backend = _RaisingBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, PAGE_BYTES * 2, seal=True)
+    backend = _RaisingBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, VALUE_BYTES, seal=True)
     worker, _ = make_worker(backend=backend)
     with caplog.at_level(logging.WARNING, logger="vllm"):
         for _ in range(3):
-            worker.wait_for_save(AioConnectorMetadata(saves=[transfer([1, 2])]))
+            saved(worker, AioConnectorMetadata(saves=[transfer([1, 2])]))
     assert caplog.text.count("pool save failed") == 1
     assert worker.take_stats().data["save_failures"] == 6
 
 
 def test_stats_count_bytes_and_skip_known_blocks(make_worker):
     worker, _ = make_worker()
-    worker.wait_for_save(AioConnectorMetadata(saves=[transfer([1, 2])]))
-    worker.wait_for_save(AioConnectorMetadata(saves=[transfer([1, 2])]))
+    saved(worker, AioConnectorMetadata(saves=[transfer([1, 2])]))
+    saved(worker, AioConnectorMetadata(saves=[transfer([1, 2])]))
     worker.start_load_kv(AioConnectorMetadata(loads=[transfer([5, 6])], lookups=LookupCounts(16, 4)))
     data = worker.take_stats().data
     assert data["save_blocks"] == 2 and data["save_skipped"] == 2
-    assert data["load_bytes"] == 2 * PAGE_BYTES * 2
+    assert data["load_bytes"] == 2 * VALUE_BYTES
     assert (data["hit_tokens"], data["miss_tokens"]) == (16, 4)
     assert worker.take_stats() is None
 
@@ -127,7 +147,7 @@ def test_replicas_split_the_stores_and_each_loads_every_block(make_worker):
     rank0, backend = make_worker(caches=caches, tp_size=2, tp_rank=0, heads=1)
     rank1, _ = make_worker(backend=backend, caches=caches, tp_size=2, tp_rank=1, heads=1)
     for worker in (rank0, rank1):
-        worker.wait_for_save(AioConnectorMetadata(saves=[transfer([1, 2, 3, 4, 5])]))
+        saved(worker, AioConnectorMetadata(saves=[transfer([1, 2, 3, 4, 5])]))
     assert backend.pool.usage().num_ready == 5
     assert rank0.take_stats().data["save_blocks"] == 3 and rank1.take_stats().data["save_blocks"] == 2
     for worker in (rank0, rank1):
@@ -136,3 +156,68 @@ def test_replicas_split_the_stores_and_each_loads_every_block(make_worker):
         worker.start_load_kv(AioConnectorMetadata(loads=[transfer([10, 11, 12, 13, 14])]))
         assert worker.get_block_ids_with_load_errors() == set()
         assert all(torch.equal(dst[n][10:15], caches[n][1:6]) for n in LAYERS)
+
+
+def forward(worker: AioWorker, meta: AioConnectorMetadata, compute=lambda layer: None) -> set[int]:
+    """One step as vLLM drives a layerwise connector; returns the load errors."""
+    worker.start_load_kv(meta)
+    for layer, name in enumerate(LAYERS):
+        worker.wait_for_layer_load(name)
+        compute(layer)
+        worker.save_kv_layer(name, meta)
+    worker.wait_for_save(meta)
+    return worker.get_block_ids_with_load_errors()
+
+
+def test_layerwise_values_round_trip_one_layer_at_a_time(make_worker):
+    src, dst = kv_caches(1), kv_caches(2)
+    saver, backend = make_worker(caches=src, use_layerwise=True)
+    forward(saver, AioConnectorMetadata(saves=[transfer([3, 4, 5])]))
+    saver._send.drain()
+    assert backend.pool.usage().num_ready == 3 * len(LAYERS)  # one value per block and layer
+    loader, _ = make_worker(backend=backend, caches=dst, use_layerwise=True, layerwise_prefetch_layers=0)
+    assert forward(loader, AioConnectorMetadata(loads=[transfer([9, 10, 11])])) == set()
+    for name in LAYERS:
+        assert torch.equal(dst[name][9:12], src[name][3:6])
+
+
+def test_layerwise_and_whole_block_values_never_mix(make_worker):
+    saver, backend = make_worker(use_layerwise=True)
+    forward(saver, AioConnectorMetadata(saves=[transfer([1, 2])]))
+    saver._send.drain()
+    loader, _ = make_worker(backend=backend)
+    loader.start_load_kv(AioConnectorMetadata(loads=[transfer([5, 6])]))
+    assert loader.get_block_ids_with_load_errors() == {5, 6}
+
+
+def test_async_load_is_reported_finished_once_its_blocks_are_in_place(make_worker):
+    src, dst = kv_caches(1), kv_caches(2)
+    saver, backend = make_worker(caches=src)
+    saved(saver, AioConnectorMetadata(saves=[transfer([3, 4])]))
+    loader, _ = make_worker(backend=backend, caches=dst, load_async=True)
+    loader.start_load_kv(AioConnectorMetadata(loads=[transfer([9, 10])]))
+    loader._recv.drain()
+    assert loader.get_finished() == {"r"}
+    assert loader.get_finished() == set()
+    assert loader.get_block_ids_with_load_errors() == set()
+    assert all(torch.equal(dst[n][9:11], src[n][3:5]) for n in LAYERS)
+
+
+def test_async_load_with_missing_blocks_finishes_and_reports_them(make_worker):
+    loader, _ = make_worker(load_async=True)
+    loader.start_load_kv(AioConnectorMetadata(loads=[transfer([9, 10])]))
+    loader._recv.drain()
+    assert loader.get_finished() == {"r"}
+    assert loader.get_block_ids_with_load_errors() == {9, 10}
+
+
+def test_value_with_a_foreign_header_is_refused(make_worker, caplog):
+    loader, backend = make_worker()
+    key = loader._io.keys([BlockRef(0, b"x0")], loader._units[0])[0]
+    # Another writer's bytes under our key: same length, different header.
+    forged = torch.zeros(VALUE_BYTES, dtype=torch.uint8)
+    backend.batch_put([key], [[(forged.data_ptr(), VALUE_BYTES)]])
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        loader.start_load_kv(AioConnectorMetadata(loads=[transfer([4])]))
+    assert loader.get_block_ids_with_load_errors() == {4}
+    assert "1 foreign" in caplog.text

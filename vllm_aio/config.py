@@ -71,6 +71,19 @@ class AioConfig:
     discard_partial_chunks: bool = True
     # Mixed into every key: instances with different salts never share blocks.
     salt: str = ""
+    # Store and load each layer as a value of its own, overlapping the
+    # transfers with the forward layer by layer (keys differ: see pool/keys.py).
+    use_layerwise: bool = False
+    # With use_layerwise: layers loaded ahead of the one the forward waits for.
+    layerwise_prefetch_layers: int = 1
+    # Load whole prefixes in the background while the request waits in vLLM's
+    # WAITING_FOR_REMOTE_KVS state (the non-layerwise way off the critical path).
+    load_async: bool = False
+    # Seconds a step waits at most for a transfer before declaring it failed
+    # (loads: recomputed; saves: skipped).
+    transfer_timeout: float = 30.0
+    # Host bytes per direction for blocks in flight (page-locked on accelerators).
+    staging_buffer_size: int = 256 << 20
     # Mooncake settings given inline (master_server_address, protocol, ...);
     # merged over the MOONCAKE_CONFIG_PATH file and checked by the backend.
     mooncake: dict[str, Any] = field(default_factory=dict)
@@ -88,6 +101,15 @@ class AioConfig:
                 "discard_partial_chunks: only true is accepted: keys come from vLLM's "
                 "block hashes, which exist for whole blocks only"
             )
+        if self.use_layerwise and self.load_async:
+            raise ConfigError(
+                "use_layerwise, load_async: choose one; layerwise loads overlap the forward, "
+                "load_async loads before the request is scheduled"
+            )
+        if self.layerwise_prefetch_layers < 0:
+            raise ConfigError(f"layerwise_prefetch_layers: expected an integer >= 0, got {self.layerwise_prefetch_layers}")
+        if not self.transfer_timeout > 0:
+            raise ConfigError(f"transfer_timeout: expected seconds > 0, got {self.transfer_timeout}")
         if self.local_pool_name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.local_pool_name):
             raise ConfigError(
                 "local_pool_name: expected 1-64 characters from A-Z a-z 0-9 _ . -, "
@@ -97,7 +119,7 @@ class AioConfig:
 
 
 _ENV_OVERRIDES = {"VLLM_AIO_BACKEND": "backend", "VLLM_AIO_LOCAL_POOL_SIZE": "local_pool_size"}
-_SIZE_KEYS = {"local_pool_size"}
+_SIZE_KEYS = {"local_pool_size", "staging_buffer_size"}
 
 
 def _check_type(key: str, value: Any, field: dataclasses.Field) -> Any:
@@ -108,6 +130,13 @@ def _check_type(key: str, value: Any, field: dataclasses.Field) -> Any:
     if expected == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    elif expected == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    elif expected == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number of seconds, got {value!r}")
+        value = float(value)
     elif expected == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")

@@ -32,6 +32,9 @@ class Status(enum.Enum):
     # get: the stored value's length differs from the segments' total, or it
     # was overwritten while being read; nothing trustworthy was copied.
     CORRUPT = "corrupt"
+    # get (set by the connector): the value's header names another owner,
+    # layer, layout or block; it is refused, never used.
+    FOREIGN = "foreign"
     # any call: the store failed or timed out for this key.
     ERROR = "error"
 

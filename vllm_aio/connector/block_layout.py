@@ -1,14 +1,16 @@
 """Where one KV block's bytes live in vLLM's per-layer cache tensors.
 
-A pool value is one block of every layer, in layer order; each layer
-contributes one segment per block-indexed region of its tensor. Two shapes of
-per-layer tensor occur in vLLM 0.32:
+A stored value holds one block of one layer (layerwise transfer) or of every
+layer in layer order; each layer contributes one *plane* per block-indexed
+region of its tensor. Two shapes of per-layer tensor occur in vLLM 0.32:
 
-* ``[num_blocks, ...]`` (CPU attention, MLA, block-major layouts): one
-  contiguous segment per block;
+* ``[num_blocks, ...]`` (CPU attention, MLA, block-major layouts): one plane;
 * ``[2, num_blocks, ...]`` (K and V stored apart, e.g. FlashAttention): two.
 
-Only addresses and sizes are computed here; the backend does the copying.
+A plane is exposed twice: as addresses (``segments``), for backends that copy
+straight from host memory, and as a ``[num_blocks, bytes]`` byte tensor on the
+cache's device, for batched gathers and scatters (one call per plane and batch,
+not per block: per-block copies used a fifth of an H200's PCIe link).
 """
 
 from __future__ import annotations
@@ -22,38 +24,75 @@ from vllm_aio.backends import Segment
 
 
 @dataclass(frozen=True)
-class _Region:
+class _Plane:
     base: int  # address of block 0
     stride: int  # bytes between consecutive blocks
-    size: int  # bytes of one block in this region
+    size: int  # bytes of one block in this plane
+    blocks: torch.Tensor  # uint8 [num_blocks, size] view of the same bytes
 
 
 class BlockLayout:
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int) -> None:
-        self.regions = [r for name in layer_names for r in _regions(name, kv_caches[name], num_blocks)]
+        self.planes = [_planes(name, kv_caches[name], num_blocks) for name in layer_names]
         self.num_blocks = num_blocks
+        self.device = kv_caches[layer_names[0]].device
 
     @property
-    def block_bytes(self) -> int:
-        return sum(r.size for r in self.regions)
+    def num_layers(self) -> int:
+        return len(self.planes)
 
-    def segments(self, block_id: int) -> list[Segment]:
-        return [(r.base + block_id * r.stride, r.size) for r in self.regions]
+    def layer_bytes(self, layer: int) -> int:
+        return sum(p.size for p in self.planes[layer])
+
+    def payload_bytes(self, layers: Sequence[int]) -> int:
+        return sum(self.layer_bytes(i) for i in layers)
+
+    def segments(self, block_id: int, layers: Sequence[int]) -> list[Segment]:
+        return [(p.base + block_id * p.stride, p.size) for i in layers for p in self.planes[i]]
 
     def memory_spans(self) -> list[Segment]:
-        """(address, size) of each region's whole extent, for backend registration."""
-        return [(r.base, r.stride * self.num_blocks) for r in self.regions]
+        """(address, size) of each plane's whole extent, for backend registration."""
+        return [(p.base, p.stride * self.num_blocks) for planes in self.planes for p in planes]
+
+    def gather(self, block_ids: torch.Tensor, layers: Sequence[int], out: torch.Tensor) -> None:
+        """Copy the blocks' bytes of ``layers`` into ``out`` ``[n, payload]`` (same device)."""
+        offset = 0
+        for i in layers:
+            for p in self.planes[i]:
+                out[:, offset : offset + p.size].copy_(p.blocks.index_select(0, block_ids))
+                offset += p.size
+
+    def scatter(self, src: torch.Tensor, block_ids: torch.Tensor, layers: Sequence[int]) -> None:
+        """Copy ``src`` ``[n, payload]`` (same device) into the blocks of ``layers``."""
+        offset = 0
+        for i in layers:
+            for p in self.planes[i]:
+                p.blocks.index_copy_(0, block_ids, src[:, offset : offset + p.size])
+                offset += p.size
 
 
-def _regions(name: str, t: torch.Tensor, num_blocks: int) -> list[_Region]:
+def _planes(name: str, t: torch.Tensor, num_blocks: int) -> list[_Plane]:
     elem = t.element_size()
     if t.shape[0] == num_blocks and t[0].is_contiguous():
-        return [_Region(t.data_ptr(), t.stride(0) * elem, t[0].numel() * elem)]
-    if t.dim() > 1 and t.shape[0] == 2 and t.shape[1] == num_blocks and t[0, 0].is_contiguous():
-        return [
-            _Region(t[kv].data_ptr(), t.stride(1) * elem, t[0, 0].numel() * elem) for kv in range(2)
-        ]
-    raise ValueError(
-        f"layer {name}: KV cache of shape {tuple(t.shape)} and strides {t.stride()} has no "
-        f"contiguous per-block region for {num_blocks} blocks; this layout is not supported"
-    )
+        starts = [t]
+        stride = t.stride(0)
+        size = t[0].numel()
+    elif t.dim() > 1 and t.shape[0] == 2 and t.shape[1] == num_blocks and t[0, 0].is_contiguous():
+        starts = [t[0], t[1]]
+        stride = t.stride(1)
+        size = t[0, 0].numel()
+    else:
+        raise ValueError(
+            f"layer {name}: KV cache of shape {tuple(t.shape)} and strides {t.stride()} has no "
+            f"contiguous per-block region for {num_blocks} blocks; this layout is not supported"
+        )
+    storage = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    return [
+        _Plane(
+            base=s.data_ptr(),
+            stride=stride * elem,
+            size=size * elem,
+            blocks=storage.as_strided((num_blocks, size * elem), (stride * elem, 1), s.storage_offset() * elem),
+        )
+        for s in starts
+    ]

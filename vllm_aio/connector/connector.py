@@ -57,7 +57,7 @@ class AioConnector(KVConnectorBase_V1):
             self._scheduler = AioScheduler(dep, backend)
             _log_start(cfg, dep, transfer)
         else:
-            self._worker = AioWorker(dep, backend, Ownership(_topology(dep)))
+            self._worker = AioWorker(dep, backend, Ownership(_topology(dep)), cfg)
 
     # ---- worker side -------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
@@ -67,13 +67,16 @@ class AioConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
-        return
+        self._worker.save_kv_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._worker.get_finished() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
@@ -124,19 +127,26 @@ def _topology(dep) -> "Topology":
     )
 
 
+def _transfer_mode(cfg) -> str:
+    if cfg.use_layerwise:
+        return f"layerwise(prefetch={cfg.layerwise_prefetch_layers})"
+    return "async" if cfg.load_async else "per-block"
+
+
 def _log_start(cfg, dep, transfer) -> None:
     if cfg.backend == "local":
         store = f"pool={dep.pool_name} size={cfg.local_pool_size / 2**30:.2f}GiB"
     else:
         store = " ".join(f"{k}={v}" for k, v in sorted(cfg.mooncake.items())) or "settings from MOONCAKE_CONFIG_PATH"
     logger.info(
-        "vllm_aio: AioConnector role=%s backend=%s %s load=%s save=%s "
-        "save_decode_cache=%s block_size=%d block_bytes=%d namespace=%s (%s)",
+        "vllm_aio: AioConnector role=%s backend=%s %s load=%s save=%s transfer=%s "
+        "save_decode_cache=%s block_size=%d value_bytes=%d namespace=%s (%s)",
         transfer.kv_role,
         cfg.backend,
         store,
         dep.load_enabled,
         dep.save_enabled,
+        _transfer_mode(cfg),
         dep.save_decode_cache,
         dep.block_size,
         dep.value_bytes,

@@ -14,7 +14,8 @@ from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from vllm_aio.config import AioConfig, ConfigError
-from vllm_aio.pool.keys import Namespace
+from vllm_aio.pool.entry import HEADER_BYTES
+from vllm_aio.pool.keys import Namespace, Unit
 from vllm_aio.pool.ownership import Topology
 
 # vLLM's xxhash variants seed each process randomly: a key stored by one
@@ -27,13 +28,21 @@ class Deployment:
     namespace: Namespace
     block_size: int  # tokens per block, as hashed by vLLM
     layer_names: tuple[str, ...]
-    value_bytes: int  # one rank's bytes of one block, all layers
+    layerwise: bool  # one value per (block, layer) instead of per block
+    load_async: bool  # loads finish before the request is scheduled
+    value_bytes: int  # one stored value: header + one rank's block of one or all layers
     load_enabled: bool
     save_enabled: bool
     save_decode_cache: bool
     pool_name: str  # the embedded pool's name (local backend)
     num_kv_heads: int  # in the whole model (MLA: see use_mla)
     use_mla: bool
+
+    def units(self) -> list[Unit]:
+        """The layer sets stored as one value each, in layer order."""
+        if self.layerwise:
+            return [Unit((i,), i) for i in range(len(self.layer_names))]
+        return [Unit(tuple(range(len(self.layer_names))), None)]
 
     def topology(self, tp_rank: int = 0, pp_rank: int = 0, pcp_rank: int = 0, dcp_rank: int = 0) -> Topology:
         ns = self.namespace
@@ -83,7 +92,9 @@ def build_deployment(
         namespace=namespace,
         block_size=block_size,
         layer_names=layers,
-        value_bytes=spec.page_size_bytes * len(layers),
+        layerwise=cfg.use_layerwise,
+        load_async=cfg.load_async,
+        value_bytes=HEADER_BYTES + spec.page_size_bytes * (1 if cfg.use_layerwise else len(layers)),
         load_enabled=role == "kv_both" or (role == "kv_consumer" and cfg.consumer_is_to_load),
         save_enabled=role in ("kv_both", "kv_producer")
         or (role == "kv_consumer" and cfg.consumer_is_to_put),

@@ -5,9 +5,10 @@ turns vLLM's scheduling decisions into an ``AioConnectorMetadata``: the blocks
 each request loads before its forward (pool hits beyond vLLM's own prefix
 cache) and the blocks that become full during the forward and get saved.
 
-Saves complete inside the same step (the worker's ``wait_for_save``), before
-vLLM can free or reuse a block, so ``request_finished`` never has to hold
-blocks back: there is no pending state that could keep blocks alive forever.
+Saved blocks are copied out of the cache inside the step that filled them
+(the worker's ``wait_for_save``), before vLLM can free or reuse a block; the
+pool puts go on from staging. So ``request_finished`` never has to hold blocks
+back: there is no pending state that could keep blocks alive forever.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class _Tracker:
     request: "Request"
     block_ids: list[int] = field(default_factory=list)
     num_saved_blocks: int = 0
+    # Block indices [start, end) loaded from the pool: already stored there.
+    loaded: tuple[int, int] = (0, 0)
 
 
 class AioScheduler:
@@ -51,8 +54,13 @@ class AioScheduler:
         self._dep = deployment
         self._backend = backend
         digest = deployment.namespace.digest()
-        # A block hits only when every distinct shard of the deployment is stored.
-        self._shards = [(digest, s) for s in Ownership(deployment.topology()).hit_shard_ids()]
+        # A block hits only when every distinct shard of the deployment (and,
+        # layerwise, every layer of it) is stored.
+        self._key_parts = [
+            (digest, shard, unit.tag)
+            for shard in Ownership(deployment.topology()).hit_shard_ids()
+            for unit in deployment.units()
+        ]
         # req_id -> latest lookup answer; replaced on every call (idempotent).
         self._plans: dict[str, _LoadPlan] = {}
         # Loads decided by update_state_after_alloc, sent with the next metadata.
@@ -74,18 +82,18 @@ class AioScheduler:
             self._plans.pop(request.request_id, None)
             return 0, False
         self._plans[request.request_id] = _LoadPlan(num_computed_tokens, hit_tokens)
-        return new_tokens, False
+        return new_tokens, self._dep.load_async
 
     def _count_leading_hits(self, hashes: list[bytes]) -> int:
         if not hashes:
             return 0
-        keys = [block_key(d, s, h) for h in hashes for d, s in self._shards]
+        keys = [block_key(d, s, h, tag) for h in hashes for d, s, tag in self._key_parts]
         try:
             present = self._backend.batch_exists(keys)
         except Exception as exc:  # the pool is down: serve everything by recompute
             logger.warning("vllm_aio: pool lookup failed, treating as a miss: %s", exc)
             return 0
-        per_block = len(self._shards)
+        per_block = len(self._key_parts)
         for i in range(len(hashes)):
             if not all(present[i * per_block : (i + 1) * per_block]):
                 return i
@@ -95,11 +103,13 @@ class AioScheduler:
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
     ) -> None:
         req_id = request.request_id
-        self._trackers.setdefault(req_id, _Tracker(request))
+        known = req_id in self._trackers  # re-admitted: preempted, or its async load finished
+        tracker = self._trackers.setdefault(req_id, _Tracker(request))
         plan = self._plans.pop(req_id, None)
         prompt_tokens = request.num_prompt_tokens
         if num_external_tokens == 0 or plan is None:
-            self._lookups.miss_tokens += prompt_tokens
+            if not known:
+                self._lookups.miss_tokens += prompt_tokens
             return
         bs = self._dep.block_size
         first = plan.local_tokens // bs
@@ -108,6 +118,7 @@ class AioScheduler:
         self._pending_loads.append(
             BlockTransfer(req_id, list(block_ids[first:last]), list(request.block_hashes[first:last]), first)
         )
+        tracker.loaded = (first, last)
         self._lookups.hit_tokens += num_external_tokens
         self._lookups.miss_tokens += prompt_tokens - plan.local_tokens - num_external_tokens
 
@@ -152,14 +163,14 @@ class AioScheduler:
         start = tracker.num_saved_blocks
         if full <= start:
             return
-        meta.saves.append(
-            BlockTransfer(
-                request.request_id,
-                tracker.block_ids[start:full],
-                list(request.block_hashes[start:full]),
-                start,
-            )
-        )
+        skip_start, skip_end = tracker.loaded
+        for lo, hi in ((start, min(full, skip_start)), (max(start, skip_end), full)):
+            if lo < hi:
+                meta.saves.append(
+                    BlockTransfer(
+                        request.request_id, tracker.block_ids[lo:hi], list(request.block_hashes[lo:hi]), lo
+                    )
+                )
         tracker.num_saved_blocks = full
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, None]:

@@ -1,8 +1,9 @@
-"""Build small random-weight Llama models locally (nothing is downloaded).
+"""Build small random-weight models locally (nothing is downloaded).
 
 Tests, the demo and the benchmarks need a real Hugging Face checkpoint that
 vLLM can serve, but no model hub is reachable at run time. We train a byte-level
-BPE tokenizer on synthetic text in-process and save a Llama with random weights.
+BPE tokenizer on synthetic text in-process and save a Llama (or, for
+multi-head latent attention, a DeepSeek-V2) with random weights.
 
 Random weights at the default init give degenerate greedy output (one token
 repeated), which would make "cached == uncached" checks meaningless, so the
@@ -16,6 +17,10 @@ import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _WORDS = (
     "pool cache block layer token prefix host device store load save key hash "
@@ -43,10 +48,26 @@ class ModelSpec:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class MlaModelSpec(ModelSpec):
+    """A DeepSeek-V2 model: multi-head latent attention, dense MLPs (no experts).
+
+    vLLM's CPU MLA kernel takes only a 576-wide latent (kv_lora_rank 512 +
+    qk_rope_head_dim 64). ``num_kv_heads`` is unused: MLA caches one latent.
+    """
+
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+
+
 PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(),
     # One KV head: under TP every rank holds the same KV (stored once).
     "tiny_1kv": ModelSpec(num_kv_heads=1),
+    # MLA: one latent per token shared by every head, so TP ranks hold identical KV.
+    "tiny_mla": MlaModelSpec(num_layers=2, num_kv_heads=1, init_std=0.08),
     # A few hundred million parameters: prefill costs real time on a CPU,
     # which is what a pool hit is supposed to save.
     "medium": ModelSpec(
@@ -98,10 +119,14 @@ def build_tokenizer(out: Path, vocab_size: int, seed: int) -> None:
 
 def build_model(out: Path, spec: ModelSpec) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(spec.seed)
-    config = LlamaConfig(
+    model = _deepseek_v2(spec) if isinstance(spec, MlaModelSpec) else _llama(spec)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+
+
+def _common_config(spec: ModelSpec) -> dict[str, Any]:
+    return dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -115,8 +140,27 @@ def build_model(out: Path, spec: ModelSpec) -> None:
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
+
+
+def _llama(spec: ModelSpec) -> "PreTrainedModel":
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**_common_config(spec)))
+
+
+def _deepseek_v2(spec: MlaModelSpec) -> "PreTrainedModel":
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        **_common_config(spec),
+        kv_lora_rank=spec.kv_lora_rank,
+        q_lora_rank=None,
+        qk_rope_head_dim=spec.qk_rope_head_dim,
+        qk_nope_head_dim=spec.qk_nope_head_dim,
+        v_head_dim=spec.v_head_dim,
+        first_k_dense_replace=spec.num_layers,  # every layer a dense MLP
+    )
+    return DeepseekV2ForCausalLM(config)
 
 
 def ensure_model(out: Path, spec: ModelSpec) -> Path:
