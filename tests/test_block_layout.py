@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
 from vllm_aio.connector.block_layout import BlockLayout
 
 NUM_BLOCKS = 6
+
+
+def every(layout: BlockLayout) -> range:
+    return range(layout.num_layers)
 
 
 def block_major(num_blocks: int = NUM_BLOCKS, dtype=torch.bfloat16) -> torch.Tensor:
@@ -24,14 +30,14 @@ def test_block_major_layer_gives_one_segment_per_block_at_the_block_address():
     t = block_major()
     layout = BlockLayout({"l0": t}, ["l0"], NUM_BLOCKS)
     for b in range(NUM_BLOCKS):
-        assert layout.segments(b) == [(t[b].data_ptr(), t[b].nbytes)]
+        assert layout.segments(b, every(layout)) == [(t[b].data_ptr(), t[b].nbytes)]
 
 
 def test_kv_split_layer_gives_a_k_and_a_v_segment_per_block():
     t = kv_split()
     layout = BlockLayout({"l0": t}, ["l0"], NUM_BLOCKS)
     for b in range(NUM_BLOCKS):
-        assert layout.segments(b) == [
+        assert layout.segments(b, every(layout)) == [
             (t[0, b].data_ptr(), t[0, b].nbytes),
             (t[1, b].data_ptr(), t[1, b].nbytes),
         ]
@@ -40,27 +46,27 @@ def test_kv_split_layer_gives_a_k_and_a_v_segment_per_block():
 def test_block_bytes_sum_every_layers_share_of_one_block():
     a, b = block_major(), kv_split()
     layout = BlockLayout({"a": a, "b": b}, ["a", "b"], NUM_BLOCKS)
-    assert layout.block_bytes == a[0].nbytes + 2 * b[0, 0].nbytes
-    assert layout.block_bytes == sum(size for _, size in layout.segments(3))
+    assert layout.payload_bytes(every(layout)) == a[0].nbytes + 2 * b[0, 0].nbytes
+    assert layout.payload_bytes(every(layout)) == sum(size for _, size in layout.segments(3, every(layout)))
 
 
 def test_segments_follow_the_given_layer_order():
     a, b = block_major(), block_major()
     layout = BlockLayout({"a": a, "b": b}, ["b", "a"], NUM_BLOCKS)
-    assert layout.segments(2) == [(b[2].data_ptr(), b[2].nbytes), (a[2].data_ptr(), a[2].nbytes)]
+    assert layout.segments(2, every(layout)) == [(b[2].data_ptr(), b[2].nbytes), (a[2].data_ptr(), a[2].nbytes)]
 
 
 def test_layers_absent_from_layer_names_are_ignored():
     a, b = block_major(), block_major()
     layout = BlockLayout({"a": a, "b": b}, ["a"], NUM_BLOCKS)
-    assert layout.segments(0) == [(a[0].data_ptr(), a[0].nbytes)]
+    assert layout.segments(0, every(layout)) == [(a[0].data_ptr(), a[0].nbytes)]
 
 
 def test_segments_of_a_block_address_exactly_its_bytes():
     t = block_major(dtype=torch.float32)
     t[4].fill_(1.0)
     layout = BlockLayout({"l": t}, ["l"], NUM_BLOCKS)
-    [(addr, size)] = layout.segments(4)
+    [(addr, size)] = layout.segments(4, every(layout))
     first = (addr - t.data_ptr()) // t.element_size()
     flat = t.view(-1)
     assert flat[first : first + size // t.element_size()].eq(1.0).all()
@@ -71,7 +77,7 @@ def test_view_whose_blocks_are_strided_but_contiguous_inside_is_accepted():
     base = torch.zeros(NUM_BLOCKS, 3, 32, 128, dtype=torch.float16)
     t = base[:, :2]  # a padded block: blocks are 3 pages apart, 2 pages long
     layout = BlockLayout({"l": t}, ["l"], NUM_BLOCKS)
-    assert layout.segments(5) == [(t[5].data_ptr(), t[5].nbytes)]
+    assert layout.segments(5, every(layout)) == [(t[5].data_ptr(), t[5].nbytes)]
 
 
 def test_non_contiguous_block_major_layer_raises_naming_the_layer():
@@ -109,6 +115,30 @@ def test_every_segment_lies_inside_a_memory_span():
     layout = BlockLayout({"a": block_major(), "b": kv_split()}, ["a", "b"], NUM_BLOCKS)
     spans = layout.memory_spans()
     for block in range(NUM_BLOCKS):
-        for addr, size in layout.segments(block):
+        for addr, size in layout.segments(block, every(layout)):
             assert any(start <= addr and addr + size <= start + length for start, length in spans)
 
+
+
+def test_gather_then_scatter_moves_the_blocks_of_the_given_layers_only():
+    src = {"a": block_major(), "b": kv_split(dtype=torch.bfloat16)}
+    for t in src.values():
+        t.copy_(torch.randn(t.shape))
+    dst = {"a": block_major(), "b": kv_split(dtype=torch.bfloat16)}
+    layout_src = BlockLayout(src, ["a", "b"], NUM_BLOCKS)
+    layout_dst = BlockLayout(dst, ["a", "b"], NUM_BLOCKS)
+    rows = torch.empty(2, layout_src.payload_bytes([1]), dtype=torch.uint8)
+    layout_src.gather(torch.tensor([4, 1]), [1], rows)
+    layout_dst.scatter(rows, torch.tensor([0, 5]), [1])
+    assert torch.equal(dst["b"][:, 0], src["b"][:, 4]) and torch.equal(dst["b"][:, 5], src["b"][:, 1])
+    assert dst["b"][:, 1:5].eq(0).all() and dst["a"].eq(0).all()
+
+
+def test_gathered_row_holds_the_bytes_its_segments_address():
+    t = kv_split()
+    t.copy_(torch.randn(t.shape))
+    layout = BlockLayout({"l": t}, ["l"], NUM_BLOCKS)
+    row = torch.empty(1, layout.payload_bytes([0]), dtype=torch.uint8)
+    layout.gather(torch.tensor([3]), [0], row)
+    expected = b"".join(ctypes.string_at(addr, size) for addr, size in layout.segments(3, [0]))
+    assert row.numpy().tobytes() == expected

@@ -57,9 +57,16 @@ class Req:
         return self.num_prompt_tokens + self.num_output_tokens
 
 
-def deployment(tp: int = 1, load: bool = True, save: bool = True, decode: bool = False, heads: int = 8) -> Deployment:
+def deployment(
+    tp: int = 1, load: bool = True, save: bool = True, decode: bool = False, heads: int = 8,
+    layerwise: bool = False, load_async: bool = False,
+) -> Deployment:
     ns = Namespace("m", "bf16", "auto", BS, "LBHNC", "amx", tp, 1, 1, 1, 0, "")
-    return Deployment(ns, BS, ("l0",), 64, load, save, decode, "p", heads, False)
+    return Deployment(
+        namespace=ns, block_size=BS, layer_names=("l0", "l1"), layerwise=layerwise, load_async=load_async,
+        value_bytes=64, load_enabled=load, save_enabled=save, save_decode_cache=decode, pool_name="p",
+        num_kv_heads=heads, use_mla=False,
+    )
 
 
 def shards(dep: Deployment) -> list[str]:

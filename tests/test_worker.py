@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import pytest
@@ -221,3 +222,68 @@ def test_value_with_a_foreign_header_is_refused(make_worker, caplog):
         loader.start_load_kv(AioConnectorMetadata(loads=[transfer([4])]))
     assert loader.get_block_ids_with_load_errors() == {4}
     assert "1 foreign" in caplog.text
+
+
+class _SlowBackend(LocalBackend):
+    """Every call takes ``delay`` seconds; records when each layer's get and put ran."""
+
+    def __init__(self, *args, delay: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.delay = delay
+        self.calls: dict[tuple[str, int], tuple[float, float]] = {}
+
+    def _timed(self, kind, keys, call):
+        started = time.monotonic()
+        time.sleep(self.delay)
+        result = call()
+        self.calls[(kind, int(keys[0].rsplit(":L", 1)[1]))] = (started, time.monotonic())
+        return result
+
+    def batch_get(self, keys, segments):
+        return self._timed("get", keys, lambda: super(_SlowBackend, self).batch_get(keys, segments))
+
+    def batch_put(self, keys, segments):
+        return self._timed("put", keys, lambda: super(_SlowBackend, self).batch_put(keys, segments))
+
+
+def slow_backend(delay: float) -> _SlowBackend:
+    return _SlowBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, HEADER_BYTES + PAGE_BYTES, seal=True, delay=delay)
+
+
+def test_layerwise_transfers_overlap_the_layers_compute(make_worker):
+    backend = slow_backend(0.0)
+    saver, _ = make_worker(backend=backend, use_layerwise=True)
+    forward(saver, AioConnectorMetadata(saves=[transfer([3, 4], tag="old")]))
+    saver._send.drain()
+    backend.delay = 0.05
+    worker, _ = make_worker(backend=backend, use_layerwise=True, layerwise_prefetch_layers=1)
+    computed = {}
+
+    def compute(layer):
+        started = time.monotonic()
+        time.sleep(0.1)
+        computed[layer] = (started, time.monotonic())
+
+    meta = AioConnectorMetadata(loads=[transfer([9, 10], tag="old")], saves=[transfer([5, 6], tag="new")])
+    assert forward(worker, meta, compute) == set()
+    worker._send.drain()
+    calls = backend.calls
+    # Layer 1 arrives while layer 0 computes; layer 0 is stored while layer 1 computes.
+    assert calls[("get", 1)][0] < computed[0][1]
+    assert computed[0][0] < calls[("put", 0)][0] < computed[1][1]
+
+
+def test_layer_load_past_the_timeout_fails_the_step_without_waiting_per_layer(make_worker, caplog):
+    backend = slow_backend(0.0)
+    saver, _ = make_worker(backend=backend, use_layerwise=True)
+    forward(saver, AioConnectorMetadata(saves=[transfer([3, 4])]))
+    saver._send.drain()
+    backend.delay = 1.0  # two layers: the pool needs 2 s
+    worker, _ = make_worker(backend=backend, use_layerwise=True, transfer_timeout=0.2)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        errors = forward(worker, AioConnectorMetadata(loads=[transfer([9, 10])]))
+    assert time.monotonic() - started < 1.5
+    assert errors == {9, 10}
+    assert "layer 0 load exceeded transfer_timeout=0.2s" in caplog.text
+    assert "2 pool blocks could not be loaded (2 timeout)" in caplog.text

@@ -32,8 +32,11 @@ from vllm_aio.backends import Backend, Status
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.connector.staging import StagingBuffer
 from vllm_aio.device import Device
-from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader
+from vllm_aio.log import get_logger
+from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader, describe
 from vllm_aio.pool.keys import Unit, block_key
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,11 @@ class BlockIO:
 def _check_headers(stored: torch.Tensor, expected: list[bytes], statuses: list[Status]) -> list[Status]:
     """OK only where the stored header is exactly the one this reader would write."""
     raw = stored.contiguous().numpy().tobytes()
-    return [
-        Status.FOREIGN if s is Status.OK and raw[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] != want else s
-        for i, (want, s) in enumerate(zip(expected, statuses))
-    ]
+    out = []
+    for i, (want, status) in enumerate(zip(expected, statuses)):
+        got = raw[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+        if status is Status.OK and got != want:
+            status = Status.FOREIGN
+            logger.debug("vllm_aio: refused a value: stored %s, expected %s", describe(got), describe(want))
+        out.append(status)
+    return out

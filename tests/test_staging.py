@@ -1,0 +1,61 @@
+"""Unit tests of ``vllm_aio.connector.staging.StagingBuffer``: ring-wise slices of one host buffer."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from vllm_aio.connector.staging import StagingBuffer
+from vllm_aio.device import Device
+
+HOST = Device(torch.device("cpu"))
+
+
+def test_slices_do_not_overlap_while_live():
+    buf = StagingBuffer(HOST, 100)
+    a, b, c = (buf.allocate(30, 0) for _ in range(3))
+    assert [(s.start, s.end) for s in (a, b, c)] == [(0, 30), (30, 60), (60, 90)]
+    assert buf.allocate(30, 0) is None
+
+
+def test_released_space_is_reused_after_wrapping_around():
+    buf = StagingBuffer(HOST, 100)
+    a, b, c = (buf.allocate(30, 0) for _ in range(3))
+    buf.release(a)
+    d = buf.allocate(30, 0)
+    assert (d.start, d.end) == (0, 30)
+    assert buf.allocate(10, 0) is None  # [90, 100) is too small, [30, 60) still live
+
+
+def test_out_of_order_release_frees_only_behind_the_oldest_live_slice():
+    buf = StagingBuffer(HOST, 100)
+    a, b = buf.allocate(50, 0), buf.allocate(50, 0)
+    buf.release(b)
+    assert buf.allocate(10, 0) is None
+    buf.release(a)
+    assert buf.allocate(100, 0).start == 0
+
+
+def test_allocate_waits_for_a_release_up_to_the_timeout():
+    buf = StagingBuffer(HOST, 100)
+    a = buf.allocate(100, 0)
+    threading.Timer(0.05, buf.release, [a]).start()
+    started = time.monotonic()
+    assert buf.allocate(60, 2.0) is not None
+    assert time.monotonic() - started < 1.0
+    assert buf.allocate(60, 0.05) is None
+
+
+def test_larger_than_the_buffer_is_refused_at_once():
+    assert StagingBuffer(HOST, 100).allocate(101, 10.0) is None
+
+
+def test_slice_tensor_views_its_bytes_of_the_buffer():
+    buf = StagingBuffer(HOST, 100)
+    buf.allocate(10, 0)
+    s = buf.allocate(20, 0)
+    s.tensor.fill_(7)
+    assert s.address == buf.address + 10
+    assert buf.buffer[10:30].eq(7).all()
