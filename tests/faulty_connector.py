@@ -4,6 +4,8 @@ Loaded by real vLLM through ``kv_connector_module_path: faulty_connector``;
 ``AIO_FAULT`` picks the fault. Everything else (vLLM, the connector, the
 embedded pool) is the real thing.
 
+Segments of a load are ``[header, payload...]`` (host KV cache).
+
 - ``lost_and_torn``: on load, the 3rd block of each request is reported
   MISSING (evicted after lookup) and the 5th is filled with garbage and
   reported CORRUPT (torn read); vLLM must recompute both.
@@ -44,10 +46,12 @@ class _FaultyBackend:
         self._down()
         statuses = self.inner.batch_get(keys, segments)
         if len(keys) > 2:
-            _scribble(segments[2])
+            # Garbage in the payload only: the value's header stays valid, so
+            # only the status tells the connector that the block is bad.
+            _scribble(segments[2][1:])
             statuses[2] = Status.OK if self.fault == "silent_garbage" else Status.MISSING
         if len(keys) > 4 and self.fault == "lost_and_torn":
-            _scribble(segments[4])
+            _scribble(segments[4][1:])
             statuses[4] = Status.CORRUPT
         return statuses
 

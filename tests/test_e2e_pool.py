@@ -18,11 +18,19 @@ def _cached_fraction(result: dict) -> float:
     return result["cached"] / result["prompt_len"]
 
 
-def test_second_pass_is_served_from_pool_with_baseline_output(engine, baseline):
+TRANSFER_MODES = {
+    "whole_blocks": {},
+    "layerwise": {"use_layerwise": True},
+    "load_async": {"load_async": True},
+}
+
+
+@pytest.mark.parametrize("mode", TRANSFER_MODES)
+def test_second_pass_is_served_from_pool_with_baseline_output(engine, baseline, mode):
     prompts = PROMPTS["warm"]
     # Private pools are named after the engine; other pools may come and go.
     pools_before = set(glob.glob("/dev/shm/vllm_aio.engine-*"))
-    cold, warm = engine.run([prompts, prompts], aio_config(local_pool_size="256MB"))
+    cold, warm = engine.run([prompts, prompts], aio_config(local_pool_size="256MB", **TRANSFER_MODES[mode]))
     assert all(r["cached"] == 0 for r in cold)
     assert all(_cached_fraction(r) >= 0.8 for r in warm), [r["cached"] for r in warm]
     assert_same_generation(cold, baseline["warm"])
@@ -38,13 +46,15 @@ def test_model_output_varies(baseline):
 
 
 def _block_bytes(model, tp: int = 1) -> int:
-    """One rank's block of every layer (bf16, block size 32); KV heads split over TP."""
+    """One stored value: header + one rank's block of every layer (bf16, block size 32)."""
     import json
+
+    from vllm_aio.pool.entry import HEADER_BYTES
 
     cfg = json.loads((model / "config.json").read_text())
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     heads_per_rank = max(1, cfg["num_key_value_heads"] // tp)
-    return cfg["num_hidden_layers"] * 2 * heads_per_rank * head_dim * 32 * 2
+    return HEADER_BYTES + cfg["num_hidden_layers"] * 2 * heads_per_rank * head_dim * 32 * 2
 
 
 def test_producer_stores_and_consumer_only_loads(engine, baseline, tiny_model):
@@ -78,13 +88,14 @@ def test_pool_smaller_than_the_prompts_still_gives_baseline_output(engine, basel
     assert_same_generation(warm, baseline["small_pool"])
 
 
-def _faulty() -> dict:
-    return aio_config(module="faulty_connector", connector="FaultyAioConnector", local_pool_size="256MB")
+def _faulty(**extra) -> dict:
+    return aio_config(module="faulty_connector", connector="FaultyAioConnector", local_pool_size="256MB", **extra)
 
 
-def test_blocks_lost_or_torn_at_load_are_recomputed(engine, baseline):
+@pytest.mark.parametrize("mode", TRANSFER_MODES)
+def test_blocks_lost_or_torn_at_load_are_recomputed(engine, baseline, mode):
     prompts = PROMPTS["faults"]
-    cold, warm = engine.run([prompts, prompts], _faulty(), env={"AIO_FAULT": "lost_and_torn"})
+    cold, warm = engine.run([prompts, prompts], _faulty(**TRANSFER_MODES[mode]), env={"AIO_FAULT": "lost_and_torn"})
     assert_same_generation(warm, baseline["faults"])
     assert "pool blocks could not be loaded (1 corrupt, 1 missing); vLLM recomputes them" in engine.last_log
 
