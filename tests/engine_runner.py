@@ -22,7 +22,7 @@ def run(spec: dict) -> dict:
     llm = LLM(
         spec["model"],
         max_model_len=spec.get("max_model_len", 4096),
-        block_size=32,
+        block_size=spec.get("block_size", 32),
         enforce_eager=True,
         enable_prefix_caching=spec.get("enable_prefix_caching", False),
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192),
@@ -33,6 +33,7 @@ def run(spec: dict) -> dict:
         max_num_seqs=spec.get("max_num_seqs", 1),
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
         distributed_executor_backend="mp",
+        attention_backend=spec.get("attention_backend"),
         kv_transfer_config=spec.get("kv_transfer_config"),
         seed=0,
     )
