@@ -1,0 +1,590 @@
+"""Dynamic S-layer KV buffer (issue 6): the device holds S layer buffers, the host holds every layer's KV.
+
+For a batch, the device keeps only S per-layer KV buffers (layer l uses buffer
+l % S, each ``[batch blocks, 2, block_size, kv_heads, head_dim]``, the batch's
+blocks on scattered ids); the KV of all layers lives in PINNED host memory.
+Each step, for every layer l:
+
+1. load: the copy stream H2D waits on the ``released`` event of buffer l % S
+   (recorded when layer l - S's write-back finished), then copies layer l's
+   scheduled blocks (one batched H2D of a contiguous pinned staging region into
+   a device scratch, then an ``index_copy_`` scatter into the buffer) and
+   records ``loaded[l]``;
+2. compute: the compute stream waits on ``loaded[l]`` and runs layer l (it
+   writes the step's new K/V into the buffer, then attends over it);
+3. write-back: the copy stream D2H waits on ``computed[l]``, gathers the
+   step's new blocks (``index_select``) and copies them to host in one D2H
+   copy, then records ``released[l]``.
+
+All waits are ``Stream.wait_event``: no host synchronization inside a step. The
+H2D and D2H streams are separate (high priority), so loads and write-backs may
+use both directions of the link at once. Blocks: prefill loads the cached
+prefix's blocks (none without a prefix) and writes back all new blocks;
+decode loads the whole context (every block of every request, each step) and
+writes back one block per request (the one holding the new token).
+
+Model: Llama-3-8B's real per-layer sizes (32 layers, 8 KV heads x 128, bf16,
+block 16 tokens: 64 KiB per block per layer for K+V) in a synthetic layer:
+RMSNorm, QKV projection, new K/V written into the buffer, attention over the
+buffer's blocks (gathered by the block table; prefill: the new tokens over the
+cached prefix plus causal over themselves, outputs summed rather than merged,
+for timing; decode: one query per request over its whole context), output
+projection, RMSNorm, gated MLP (14336). Decode's gather copies the context
+once more than a paged attention kernel would: its compute is an upper bound.
+
+Measured per step (median of CUDA-event timings; modes interleaved within each
+repetition):
+
+* ``resident``: the forward alone, no transfer (what an all-layers-resident
+  cache costs; its KV reads hit the largest S's buffers in turn, same bytes per
+  layer: where one buffer is about the L2's size, fewer buffers read faster);
+* ``transfer``: all loads and all write-backs alone (no compute, no buffer
+  dependency: the link's best case);
+* ``S=2``, ``S=3``, ``S=4``: the pipeline above.
+
+ideal = max(resident, transfer). The pipeline also cannot hide the first
+layer's load nor the last layer's compute and write-back (about 1/32 of the
+smaller of the two). Issue 6's goal: S = 2 within 1.15x of ideal.
+
+Why S = 2 should suffice (the seed note's claim), per layer with load t,
+compute c, write-back w: buffer l % S is used by load l, compute l and
+write-back l in turn before load l + S, so a steady step of S layers needs
+period >= (t + c + w) / S, next to period >= max(t, c, w) for each stream. With
+w = 0, (t + c) / 2 <= max(t, c) always: two buffers never stall. With w > 0
+(prefill writes back every new block) S = 2 stalls by up to w / 2 per layer
+when t ~ c; a third buffer removes that. The table shows c, t, w per layer
+(t and w from the one-copy bandwidths) so each row can be read against this.
+
+Before timing, small batches check the synchronization for every S: host
+layer regions hold constants, buffers and write-back regions are zeroed, each
+layer records the mean of what it loaded and writes its constant as new KV;
+every loaded mean and every written-back block must equal the layer's constant.
+
+Run locally (CPU, synchronous, tiny sizes: a smoke test, timings meaningless):
+
+    .venv/bin/python benchmarks/dynamic_buffer.py --device cpu --quick
+
+On the GPU machine, through the device tool (python3 there holds torch):
+
+    python3 benchmarks/dynamic_buffer.py --json $OUT/dynamic_buffer.json
+
+Results JSON goes to ``benchmarks/results/dynamic_buffer.json`` unless ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+RESULTS = Path(__file__).resolve().parent / "results" / "dynamic_buffer.json"
+MiB, GiB = 1 << 20, 1 << 30
+DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    block_size: int = 16
+
+    @property
+    def block_bytes(self) -> int:  # K and V of one block of one layer
+        return 2 * self.block_size * self.kv_heads * self.head_dim * DTYPE.itemsize
+
+
+LLAMA3_8B = Model("Llama-3-8B", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336)
+TINY = Model("tiny (--quick)", layers=4, hidden=256, heads=8, kv_heads=2, head_dim=32, intermediate=512)
+
+
+@dataclass(frozen=True)
+class Batch:
+    phase: str  # "prefill" or "decode"
+    reqs: int
+    new: int  # new tokens per request (decode: 1)
+    context: int  # prefill: cached prefix tokens per request; decode: context tokens, the new one included
+
+    def label(self) -> str:
+        if self.phase == "decode":
+            return f"{self.reqs} x {self.context} ctx"
+        return f"{self.reqs} x {self.new} new" + (f" after {self.context}" if self.context else "")
+
+
+# ---------------------------------------------------------------- device plumbing
+
+class _WallEvent:
+    """CPU stand-in for torch.Event: everything ran synchronously, so the wall clock is the timeline."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def record(self, stream=None) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: "_WallEvent") -> float:
+        return (end.t - self.t) * 1e3
+
+
+class Accel:
+    """Streams and events through torch's accelerator API; on CPU no streams and wall-clock events."""
+
+    def __init__(self, name: str) -> None:
+        if name == "auto":
+            acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+            name = acc.type if acc is not None else "cpu"
+        dev = torch.device(name)
+        if dev.type != "cpu" and dev.index is None:
+            dev = torch.device(dev.type, torch.accelerator.current_device_index())
+        self.device = dev
+        self.is_async = dev.type != "cpu"
+
+    def describe(self) -> str:
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        return f"{self.device.type} ({platform.processor() or platform.machine()})"
+
+    def stream(self, priority: int = 0):
+        return torch.Stream(device=self.device, priority=priority) if self.is_async else None
+
+    def current_stream(self):
+        return torch.accelerator.current_stream(self.device) if self.is_async else None
+
+    @contextlib.contextmanager
+    def on(self, stream):
+        if stream is None:
+            yield
+            return
+        prev = torch.accelerator.current_stream(self.device)
+        torch.accelerator.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(prev)
+
+    def event(self, timing: bool = False):
+        return torch.Event(self.device, enable_timing=timing) if self.is_async else _WallEvent()
+
+    def record(self, event, stream) -> None:
+        event.record(stream) if self.is_async else event.record()
+
+    def wait(self, stream, event) -> None:
+        if self.is_async:
+            stream.wait_event(event)
+
+    def sync(self) -> None:
+        if self.is_async:
+            torch.accelerator.synchronize(self.device)
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.is_async)
+
+    def attention_backends(self):
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # never the O(n^2)-memory math kernel
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+
+
+def timed(acc: Accel, enqueue) -> float:
+    """ms from a start event on the compute stream to an end event after ``enqueue(start)``."""
+    acc.sync()
+    start, end = acc.event(True), acc.event(True)
+    comp = acc.current_stream()
+    acc.record(start, comp)
+    enqueue(start)
+    acc.record(end, comp)
+    acc.sync()
+    return start.elapsed_time(end)
+
+
+def copy_bandwidth(acc: Accel, host: torch.Tensor, nbytes: int, reps: int = 5) -> dict:
+    """GB/s of one large pinned copy each way, median of ``reps``."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=acc.device)
+    src = host[:nbytes]
+    out = {}
+    for name, dst, s in (("h2d", dev, src), ("d2h", src, dev)):
+        samples = []
+        for _ in range(reps + 1):
+            samples.append(timed(acc, lambda _s, dst=dst, s=s: dst.copy_(s, non_blocking=True)))
+        out[f"{name}_GBps"] = nbytes / (statistics.median(samples[1:]) * 1e-3) / 1e9
+    del dev
+    return out
+
+
+def bidirectional_bandwidth(acc: Accel, host: torch.Tensor, nbytes: int, streams, reps: int = 5) -> float:
+    """Aggregate GB/s of one H2D and one D2H copy of ``nbytes`` each, at once on two streams."""
+    if not acc.is_async:
+        return float("nan")
+    a = torch.empty(nbytes, dtype=torch.uint8, device=acc.device)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=acc.device)
+
+    def enqueue(start) -> None:
+        ends = []
+        for stream, dst, src in ((streams[0], a, host[:nbytes]), (streams[1], host[nbytes:2 * nbytes], b)):
+            acc.wait(stream, start)
+            with acc.on(stream):
+                dst.copy_(src, non_blocking=True)
+            ends.append(acc.event())
+            acc.record(ends[-1], stream)
+        for e in ends:
+            acc.wait(acc.current_stream(), e)
+
+    t = statistics.median([timed(acc, enqueue) for _ in range(reps + 1)][1:])
+    del a, b
+    return 2 * nbytes / (t * 1e-3) / 1e9
+
+
+# ---------------------------------------------------------------- the synthetic layer
+
+class Weights:
+    def __init__(self, m: Model, device: torch.device, gen: torch.Generator) -> None:
+        def w(rows: int, cols: int) -> torch.Tensor:
+            return (torch.randn(rows, cols, generator=gen) * rows ** -0.5).to(device, DTYPE)
+
+        self.qkv = w(m.hidden, (m.heads + 2 * m.kv_heads) * m.head_dim)
+        self.o = w(m.heads * m.head_dim, m.hidden)
+        self.gate_up = w(m.hidden, 2 * m.intermediate)
+        self.down = w(m.intermediate, m.hidden)
+        self.norm = torch.ones(m.hidden, dtype=DTYPE, device=device)
+
+
+def gathered(m: Model, buf: torch.Tensor, ids: torch.Tensor, groups: int) -> torch.Tensor:
+    """Blocks ``ids`` (``groups`` sequences of equal length, in order) as ``[2, groups, kv_heads, tokens, dim]``."""
+    kv = buf.index_select(0, ids).view(groups, -1, 2, m.block_size, m.kv_heads, m.head_dim)
+    return kv.permute(2, 0, 4, 1, 3, 5).reshape(2, groups, m.kv_heads, -1, m.head_dim)
+
+
+def prefill_attention(m: Model, q: torch.Tensor, kv: torch.Tensor, prefix: int) -> torch.Tensor:
+    """N new queries of one request: causal over themselves plus full over the ``prefix`` (summed, for timing)."""
+    n, g = q.shape[0], m.heads // m.kv_heads
+    q4 = q.view(n, m.kv_heads, g, m.head_dim)
+    own = kv[:, :, :, prefix:].expand(2, g, m.kv_heads, n, m.head_dim).contiguous()
+    o = F.scaled_dot_product_attention(q4.permute(2, 1, 0, 3).contiguous(), own[0], own[1], is_causal=True)
+    o = o.permute(2, 1, 0, 3).reshape(n, -1)
+    if prefix:
+        old = kv[:, :, :, :prefix].contiguous()
+        qm = q4.permute(1, 2, 0, 3).reshape(1, m.kv_heads, g * n, m.head_dim)
+        o1 = F.scaled_dot_product_attention(qm, old[0], old[1])
+        o = o + o1.reshape(m.kv_heads, g, n, m.head_dim).permute(2, 0, 1, 3).reshape(n, -1)
+    return o
+
+
+# ---------------------------------------------------------------- one batch
+
+class Step:
+    """A batch's block table, its per-layer host regions, the S device buffers, and one step's modes."""
+
+    def __init__(self, acc: Accel, m: Model, batch: Batch, host_pool: torch.Tensor, buffers: int,
+                 gen: torch.Generator) -> None:
+        self.acc, self.m, self.batch = acc, m, batch
+        bs, R = m.block_size, batch.reqs
+        if batch.phase == "decode":
+            per_req, load_r, new_r = batch.context // bs, batch.context // bs, 1
+        else:
+            per_req, load_r, new_r = (batch.context + batch.new) // bs, batch.context // bs, batch.new // bs
+        self.per_req = per_req
+        ids = torch.randperm(R * per_req, generator=gen).view(R, per_req)
+        self.req_ids = [ids[r].to(acc.device) for r in range(R)]
+        self.all_ids = ids.flatten().to(acc.device)
+        self.load_ids = ids[:, :load_r].flatten().to(acc.device)
+        self.new_ids = ids[:, per_req - new_r:].flatten().to(acc.device)
+        self.n_load, self.n_new = R * load_r, R * new_r
+        self.load_bytes, self.new_bytes = self.n_load * m.block_bytes, self.n_new * m.block_bytes
+        layer_bytes = self.load_bytes + self.new_bytes
+        self.host_regions = min(m.layers, host_pool.numel() // layer_bytes)
+        if self.host_regions == 0:
+            raise SystemExit(f"--host-gib too small for one layer of {batch.label()}")
+        shape = (m.block_size, m.kv_heads, m.head_dim)
+        loads, news = [], []
+        for r in range(self.host_regions):
+            region = host_pool[r * layer_bytes:(r + 1) * layer_bytes].view(DTYPE)
+            loads.append(region[: self.load_bytes // 2].view(self.n_load, 2, *shape))
+            news.append(region[self.load_bytes // 2:].view(self.n_new, 2, *shape))
+            loads[-1].copy_(torch.full(loads[-1].shape, self.expected(r), dtype=DTYPE, device=acc.device))
+            news[-1].zero_()
+        self.host_load = [loads[layer % self.host_regions] for layer in range(m.layers)]
+        self.host_new = [news[layer % self.host_regions] for layer in range(m.layers)]
+        self.buffers = [torch.zeros(R * per_req, 2, *shape, dtype=DTYPE, device=acc.device) for _ in range(buffers)]
+        self.load_scratch = torch.empty(self.n_load, 2, *shape, dtype=DTYPE, device=acc.device)
+        self.new_scratch = torch.empty(self.n_new, 2, *shape, dtype=DTYPE, device=acc.device)
+        self.h2d, self.d2h = acc.stream(priority=-1), acc.stream(priority=-1)
+
+    def expected(self, layer: int) -> float:
+        return float(layer % self.host_regions + 1)
+
+    def forward_layer(self, w: Weights, x: torch.Tensor, layer: int, buf: torch.Tensor,
+                      check: torch.Tensor | None) -> torch.Tensor:
+        m, b = self.m, self.batch
+        hd, kvd = m.heads * m.head_dim, m.kv_heads * m.head_dim
+        qkv = F.rms_norm(x, (m.hidden,), w.norm) @ w.qkv
+        q, k, v = qkv[:, :hd], qkv[:, hd:hd + kvd], qkv[:, hd + kvd:]
+        if check is not None:  # what this layer loaded must be its host region's constant
+            if self.n_load:
+                check[layer] = buf.index_select(0, self.load_ids).float().mean()
+            k = v = torch.full_like(k, self.expected(layer))
+        if b.phase == "decode":
+            buf[self.new_ids, 0, m.block_size - 1] = k.reshape(-1, m.kv_heads, m.head_dim)
+            buf[self.new_ids, 1, m.block_size - 1] = v.reshape(-1, m.kv_heads, m.head_dim)
+            kv = gathered(m, buf, self.all_ids, b.reqs)
+            q = q.reshape(b.reqs, m.kv_heads, -1, m.head_dim).contiguous()
+            o = F.scaled_dot_product_attention(q, kv[0], kv[1])
+            o = o.reshape(b.reqs, hd)
+        else:
+            shape = (-1, m.block_size, m.kv_heads, m.head_dim)
+            buf.index_copy_(0, self.new_ids, torch.stack((k.reshape(shape), v.reshape(shape)), dim=1))
+            o = torch.cat([prefill_attention(m, q[r * b.new:(r + 1) * b.new], gathered(m, buf, ids, 1), b.context)
+                           for r, ids in enumerate(self.req_ids)])
+        x = x + o @ w.o
+        gu = F.rms_norm(x, (m.hidden,), w.norm) @ w.gate_up
+        return x + (F.silu(gu[:, : m.intermediate]) * gu[:, m.intermediate:]) @ w.down
+
+    def load(self, layer: int, buf: torch.Tensor, done, after=None) -> None:
+        acc = self.acc
+        with acc.on(self.h2d):
+            if after is not None:
+                acc.wait(self.h2d, after)
+            if self.n_load:
+                self.load_scratch.copy_(self.host_load[layer], non_blocking=True)
+                buf.index_copy_(0, self.load_ids, self.load_scratch)
+        acc.record(done, self.h2d)
+
+    def write_back(self, layer: int, buf: torch.Tensor, done, after=None) -> None:
+        acc = self.acc
+        with acc.on(self.d2h):
+            if after is not None:
+                acc.wait(self.d2h, after)
+            torch.index_select(buf, 0, self.new_ids, out=self.new_scratch)
+            self.host_new[layer].copy_(self.new_scratch, non_blocking=True)
+        acc.record(done, self.d2h)
+
+    def run(self, mode: str, w: Weights, x0: torch.Tensor, check: torch.Tensor | None = None) -> float:
+        """One timed step: ``resident``, ``transfer`` or ``S=<n>``."""
+        acc, L, bufs = self.acc, self.m.layers, self.buffers
+
+        def enqueue(start) -> None:
+            comp = acc.current_stream()
+            loaded = [acc.event() for _ in range(L)]
+            computed = [acc.event() for _ in range(L)]
+            released = [acc.event() for _ in range(L)]
+            if mode == "resident":
+                x = x0
+                for layer in range(L):
+                    x = self.forward_layer(w, x, layer, bufs[layer % len(bufs)], check)
+                return
+            acc.wait(self.h2d, start)
+            acc.wait(self.d2h, start)
+            if mode == "transfer":
+                for layer in range(L):
+                    self.load(layer, bufs[layer % len(bufs)], loaded[layer])
+                for layer in range(L):
+                    self.write_back(layer, bufs[layer % len(bufs)], released[layer])
+                acc.wait(comp, loaded[L - 1])
+                acc.wait(comp, released[L - 1])
+                return
+            s = int(mode[2:])
+            for layer in range(min(s, L)):
+                self.load(layer, bufs[layer % s], loaded[layer])
+            x = x0
+            for layer in range(L):
+                buf = bufs[layer % s]
+                acc.wait(comp, loaded[layer])
+                x = self.forward_layer(w, x, layer, buf, check)
+                acc.record(computed[layer], comp)
+                self.write_back(layer, buf, released[layer], after=computed[layer])
+                if layer + s < L:
+                    self.load(layer + s, buf, loaded[layer + s], after=released[layer])
+            acc.wait(comp, released[L - 1])
+
+        with acc.attention_backends():
+            return timed(acc, enqueue)
+
+    def check(self, w: Weights, x0: torch.Tensor, s_values: list[int]) -> dict:
+        """Per S: zeroed buffers and write-back regions, one step; loads and write-backs must match."""
+        L = self.m.layers
+        want = torch.tensor([self.expected(i) for i in range(L)])
+        out = {}
+        for s in s_values:
+            for buf in self.buffers:
+                buf.zero_()
+            for region in self.host_new[: self.host_regions]:
+                region.zero_()
+            got = torch.full((L,), -1.0, device=self.acc.device)
+            self.run(f"S={s}", w, x0, check=got)
+            bad_load = (got.cpu() != want).nonzero().flatten().tolist() if self.n_load else []
+            bad_wb = [i for i in range(self.host_regions)
+                      if not bool((self.host_new[i].float() == self.expected(i)).all())]
+            out[f"S={s}"] = "ok" if not bad_load and not bad_wb else \
+                f"FAILED (load at layers {bad_load[:8]}, write-back at {bad_wb[:8]})"
+        return out
+
+
+# ---------------------------------------------------------------- measuring
+
+def tokens_of(b: Batch) -> int:
+    return b.reqs * b.new
+
+
+def measure(acc: Accel, m: Model, b: Batch, host_pool: torch.Tensor, w: Weights, args, bw: dict,
+            gen: torch.Generator) -> dict:
+    step = Step(acc, m, b, host_pool, max(args.s_values), gen)
+    x0 = torch.randn(tokens_of(b), m.hidden, generator=gen).to(acc.device, DTYPE)
+    modes = ["resident", "transfer"] + [f"S={s}" for s in args.s_values]
+    repeats = args.decode_repeats if b.phase == "decode" else args.repeats
+    samples: dict[str, list[float]] = {mode: [] for mode in modes}
+    for rep in range(args.warmup + repeats):
+        for mode in modes:
+            t = step.run(mode, w, x0)
+            if rep >= args.warmup:
+                samples[mode].append(t)
+    med = {mode: statistics.median(v) for mode, v in samples.items()}
+    L = m.layers
+    ideal = max(med["resident"], med["transfer"])
+    c = med["resident"] / L
+    t = step.load_bytes / (bw["h2d_GBps"] * 1e9) * 1e3
+    wb = step.new_bytes / (bw["d2h_GBps"] * 1e9) * 1e3
+    row = {
+        "phase": b.phase, "batch": b.label(), "reqs": b.reqs, "new_tokens": tokens_of(b), "context": b.context,
+        "load_MiB_per_layer": step.load_bytes / MiB, "writeback_MiB_per_layer": step.new_bytes / MiB,
+        "c_ms_per_layer": c, "t_ms_per_layer": t, "w_ms_per_layer": wb,
+        "resident_ms": med["resident"], "transfer_ms": med["transfer"], "ideal_ms": ideal,
+        "transfer_GBps": (step.load_bytes + step.new_bytes) * L / (med["transfer"] * 1e-3) / 1e9,
+        "host_regions": step.host_regions, "samples_ms": samples,
+    }
+    for s in args.s_values:
+        row[f"S{s}_ms"] = med[f"S={s}"]
+        row[f"S{s}_over_ideal"] = med[f"S={s}"] / ideal
+        row[f"S{s}_model_ms"] = L * max(t, c, wb, (t + c + wb) / s) + min(t, c)  # steady period + fill
+    row["S2_over_resident"] = med["S=2"] / med["resident"]
+    del step
+    if acc.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def run_checks(acc: Accel, m: Model, batches: list[Batch], host_pool: torch.Tensor, w: Weights, args,
+               gen: torch.Generator) -> dict:
+    out = {}
+    for b in batches:
+        step = Step(acc, m, b, host_pool, max(args.s_values), gen)
+        x0 = torch.randn(tokens_of(b), m.hidden, generator=gen).to(acc.device, DTYPE)
+        out[f"{b.phase} {b.label()}"] = step.check(w, x0, args.s_values)
+        del step
+    return out
+
+
+def print_table(rows: list[dict], s_values: list[int]) -> None:
+    head = ["phase", "batch", "load MiB/layer", "write-back MiB/layer", "c / t / w ms per layer", "resident ms",
+            "transfer ms", "ideal ms"] + [f"S={s} ms" for s in s_values] + \
+           [f"S={s}/ideal" for s in s_values] + ["S=2/resident", "transfer GB/s"]
+    table = [head]
+    for r in rows:
+        table.append([
+            r["phase"], r["batch"], f"{r['load_MiB_per_layer']:g}", f"{r['writeback_MiB_per_layer']:g}",
+            f"{r['c_ms_per_layer']:.2f} / {r['t_ms_per_layer']:.2f} / {r['w_ms_per_layer']:.2f}",
+            f"{r['resident_ms']:.1f}", f"{r['transfer_ms']:.1f}", f"{r['ideal_ms']:.1f}",
+        ] + [f"{r[f'S{s}_ms']:.1f}" for s in s_values] + [f"{r[f'S{s}_over_ideal']:.3f}" for s in s_values]
+          + [f"{r['S2_over_resident']:.2f}", f"{r['transfer_GBps']:.1f}"])
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for i, row in enumerate(table):
+        print("| " + " | ".join(c.ljust(wd) if j < 2 else c.rjust(wd)
+                                for j, (c, wd) in enumerate(zip(row, widths))) + " |")
+        if i == 0:
+            print("|" + "|".join(("-" * (wd + 2)) if j < 2 else ("-" * (wd + 1) + ":")
+                                 for j, wd in enumerate(widths)) + "|")
+
+
+def parse_batches(text: str, phase: str) -> list[Batch]:
+    """prefill: ``reqs x new [+prefix]``; decode: ``reqs x context``, comma-separated."""
+    out = []
+    for item in filter(None, text.split(",")):
+        reqs, rest = item.split("x")
+        if phase == "decode":
+            out.append(Batch("decode", int(reqs), 1, int(rest)))
+        else:
+            new, _, prefix = rest.partition("+")
+            out.append(Batch("prefill", int(reqs), int(new), int(prefix or 0)))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto", help="auto (the current accelerator, else cpu), cuda, cpu, ...")
+    parser.add_argument("--quick", action="store_true", help="tiny model and sizes (a CPU smoke test)")
+    parser.add_argument("--prefill", default="1x8192,4x8192,1x8192+32768,1x2048+32768,1x1024+16384,4x512+16384",
+                        help="prefill batches: REQSxNEW[+CACHED_PREFIX], comma-separated")
+    parser.add_argument("--decode", default="32x2048,256x2048,32x16384", help="decode batches: REQSxCONTEXT")
+    parser.add_argument("--check", default="prefill:1x1024+2048,decode:8x1024", help="small batches to check")
+    parser.add_argument("--s-values", default="2,3,4", help="buffer counts S to compare")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode-repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--host-gib", type=float, default=8.0, help="pinned host pool (layers share regions beyond it)")
+    parser.add_argument("--json", type=Path, default=RESULTS, help=f"results JSON (default {RESULTS})")
+    args = parser.parse_args()
+    acc = Accel(args.device)
+    m = TINY if args.quick else LLAMA3_8B
+    if args.quick:
+        args.prefill, args.decode, args.check = "1x128,2x64+256", "4x256", "prefill:1x64+128,decode:2x128"
+        args.host_gib, args.s_values = 1 / 16, "2,3"
+        args.repeats, args.decode_repeats = min(args.repeats, 2), min(args.decode_repeats, 2)
+    args.s_values = [int(s) for s in args.s_values.split(",")]
+    if 2 not in args.s_values:
+        raise SystemExit("--s-values must include 2")
+    batches = parse_batches(args.prefill, "prefill") + parse_batches(args.decode, "decode")
+    checks = [b for item in args.check.split(",") for b in parse_batches(item.split(":")[1], item.split(":")[0])]
+    copy_bytes = (8 * MiB) if args.quick else GiB
+    started = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    print(f"{m.name} on {acc.describe()}, torch {torch.__version__}; pinning {args.host_gib:g} GiB", flush=True)
+    host_pool = acc.pinned(int(args.host_gib * GiB))
+    w = Weights(m, acc.device, gen)
+    bw = copy_bandwidth(acc, host_pool, copy_bytes)
+    probe = Step(acc, m, checks[0], host_pool, 1, gen)  # only for its two streams
+    bw["bidir_GBps"] = bidirectional_bandwidth(acc, host_pool, copy_bytes, (probe.h2d, probe.d2h))
+    del probe
+    print(f"  one {copy_bytes // MiB} MiB pinned copy: H2D {bw['h2d_GBps']:.1f} GB/s, D2H {bw['d2h_GBps']:.1f} GB/s, "
+          f"both at once {bw['bidir_GBps']:.1f} GB/s in total", flush=True)
+    check = run_checks(acc, m, checks, host_pool, w, args, gen)
+    print(f"  checks: {check}", flush=True)
+    rows = []
+    for b in batches:
+        rows.append(measure(acc, m, b, host_pool, w, args, bw, gen))
+        r = rows[-1]
+        print(f"  {b.phase} {b.label()}: resident {r['resident_ms']:.1f} transfer {r['transfer_ms']:.1f} "
+              + " ".join(f"S={s} {r[f'S{s}_ms']:.1f}" for s in args.s_values) + " ms", flush=True)
+    elapsed = time.perf_counter() - started
+    print(f"\n{m.name} ({m.layers} layers, {m.kv_heads} KV heads x {m.head_dim}, bf16, block {m.block_size}: "
+          f"{m.block_bytes // 1024} KiB per block per layer), {acc.describe()}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}; per-step medians ({args.repeats} prefill, {args.decode_repeats} decode "
+          f"repetitions); ideal = max(resident, transfer); c = resident/{m.layers}, t and w = bytes at the "
+          f"one-copy GB/s\n")
+    print_table(rows, args.s_values)
+    print(f"\nOne {copy_bytes // MiB} MiB pinned copy: H2D {bw['h2d_GBps']:.1f} GB/s, D2H {bw['d2h_GBps']:.1f} GB/s, "
+          f"H2D + D2H at once {bw['bidir_GBps']:.1f} GB/s in total.")
+    print(f"Checks (loads and write-backs in order, every S): {check}")
+    out = {"script": "dynamic_buffer", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
+           "device": acc.describe(), "torch": torch.__version__, "model": asdict(m), "elapsed_s": elapsed,
+           "bandwidth": bw, "checks": check, "args": {k: v for k, v in vars(args).items() if k != "json"},
+           "rows": rows}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=1, default=str))
+    print(f"\nwrote {args.json} ({elapsed:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

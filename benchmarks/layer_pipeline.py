@@ -1,0 +1,521 @@
+"""Layerwise KV load (issue 5): a per-layer forward that starts as soon as ITS layer's KV is on the device.
+
+A request with a cached prefix of P tokens runs a prefill of M new tokens. The
+prefix's KV of every layer lives in PINNED host memory, one contiguous staging
+region per layer, and must reach the device's paged KV cache (per layer
+``[num_blocks, 2, block_size, kv_heads, head_dim]``, the prefix on scattered
+block ids) before that layer's attention reads it. The load of one layer is
+what the connector will do: ONE batched H2D copy of the staging region into a
+device scratch, then an on-device scatter (``index_copy_`` over the block ids)
+into the paged cache, both on a dedicated high-priority copy stream, followed
+by one event per layer.
+
+The forward is a synthetic Llama-3-8B layer (32 layers, hidden 4096, 32 query /
+8 KV heads of 128, MLP 14336, bf16, block 16 tokens: 64 KiB per block per layer
+for K+V): RMSNorm, QKV projection, attention of the M new queries over the
+layer's prefix KV gathered from the paged cache by the block table (one
+``index_select`` + a copy into ``[heads, P, dim]``; the 4 query heads that share
+a KV head are folded into the query length, so flash attention runs without
+GQA support), output projection, RMSNorm, gated MLP. M (the prefill's new
+tokens) sets the compute per layer: for each target ratio ``load / compute``
+the script measures the load, fits compute(M) from two sizes and picks M (at
+least 16: where the forward of 16 tokens already takes longer than the target,
+the measured ratio falls short of it; the table shows both). By default: a
+16k-token prefix at ratios 0.25 to 4, and 4k and 64k prefixes at ratio 1.
+
+Modes, interleaved within each repetition (median of ``--repeats`` CUDA-event
+timings, after ``--warmup``; each timing ends with a device synchronize):
+
+* ``compute``: the forward alone (the KV already in the cache).
+* ``load``: the loads of all layers alone.
+* ``bulk``: all loads, then (the compute stream waits on the last layer's
+  event) the forward.
+* ``layerwise``: all loads enqueued at once on the copy stream (or at most
+  ``--window`` layers ahead of the forward); before layer i the compute stream
+  waits on layer i's event (``Stream.wait_event``, no host synchronization).
+
+Two variants of layerwise, in a second table, to see where its overhead goes:
+``+sep`` copies into two alternating scratches on the copy stream and scatters
+on a second stream (the copy engine never waits for a scatter kernel queued
+behind the forward's kernels; ``load+sep`` is its load alone), and
+``+interleave`` enqueues layer i + 2's load right before layer i's forward
+(the host launches the first layer's forward after 2 loads, not after all 32).
+
+With per-layer load l = load/L and compute c = compute/L, a pipeline of L
+stages cannot hide the first layer's load nor the last layer's compute:
+
+    ideal = max(load, compute) + min(load, compute) / L
+
+(= l + (L-1) * max(l, c) + c). ``layerwise / ideal`` is the pipeline's own
+overhead; issue 5 asks for <= 1.1. The ceilings are measured in the same run:
+one large (1 GiB) pinned H2D copy per case, and, for comparison, the same
+prefix loaded with one H2D copy per 64 KiB block straight into its cache slot
+(no staging, no scatter: what a naive per-block connector does). The load's
+effective GB/s is prefix bytes / ``load`` ms.
+
+Before timing, each case checks the synchronization once (bulk, each layerwise):
+host layer region r holds the constant r+1, the caches are zeroed, and every
+layer's attention records the mean of the KV it read, which must equal its
+region's constant (a missed or early wait reads zeros or another layer's KV).
+
+Run locally (CPU, synchronous, tiny sizes: a smoke test of the code paths,
+timings meaningless):
+
+    .venv/bin/python benchmarks/layer_pipeline.py --device cpu --quick
+
+On the GPU machine, through the device tool (python3 there holds torch):
+
+    python3 benchmarks/layer_pipeline.py --json $OUT/layer_pipeline.json
+
+Results JSON goes to ``benchmarks/results/layer_pipeline.json`` unless ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+RESULTS = Path(__file__).resolve().parent / "results" / "layer_pipeline.json"
+MiB, GiB = 1 << 20, 1 << 30
+DTYPE = torch.bfloat16
+LAYERWISE = ("layerwise", "layerwise+sep", "layerwise+interleave")
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    block_size: int = 16
+
+    @property
+    def block_bytes(self) -> int:  # K and V of one block of one layer
+        return 2 * self.block_size * self.kv_heads * self.head_dim * DTYPE.itemsize
+
+
+LLAMA3_8B = Model("Llama-3-8B", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336)
+TINY = Model("tiny (--quick)", layers=4, hidden=256, heads=8, kv_heads=2, head_dim=32, intermediate=512)
+
+
+# ---------------------------------------------------------------- device plumbing
+
+class _WallEvent:
+    """CPU stand-in for torch.Event: everything ran synchronously, so the wall clock is the timeline."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def record(self, stream=None) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: "_WallEvent") -> float:
+        return (end.t - self.t) * 1e3
+
+
+class Accel:
+    """Streams and events through torch's accelerator API; on CPU no streams and wall-clock events."""
+
+    def __init__(self, name: str) -> None:
+        if name == "auto":
+            acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+            name = acc.type if acc is not None else "cpu"
+        dev = torch.device(name)
+        if dev.type != "cpu" and dev.index is None:
+            dev = torch.device(dev.type, torch.accelerator.current_device_index())
+        self.device = dev
+        self.is_async = dev.type != "cpu"
+
+    def describe(self) -> str:
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        return f"{self.device.type} ({platform.processor() or platform.machine()})"
+
+    def stream(self, priority: int = 0):
+        return torch.Stream(device=self.device, priority=priority) if self.is_async else None
+
+    def current_stream(self):
+        return torch.accelerator.current_stream(self.device) if self.is_async else None
+
+    @contextlib.contextmanager
+    def on(self, stream):
+        if stream is None:
+            yield
+            return
+        prev = torch.accelerator.current_stream(self.device)
+        torch.accelerator.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(prev)
+
+    def event(self, timing: bool = False):
+        return torch.Event(self.device, enable_timing=timing) if self.is_async else _WallEvent()
+
+    def record(self, event, stream) -> None:
+        event.record(stream) if self.is_async else event.record()
+
+    def wait(self, stream, event) -> None:
+        if self.is_async:
+            stream.wait_event(event)
+
+    def sync(self) -> None:
+        if self.is_async:
+            torch.accelerator.synchronize(self.device)
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.is_async)
+
+    def attention_backends(self):
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # never the O(n^2)-memory math kernel
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+
+
+def timed(acc: Accel, enqueue) -> float:
+    """ms from a start event on the compute stream to an end event after ``enqueue(start)``."""
+    acc.sync()
+    start, end = acc.event(True), acc.event(True)
+    comp = acc.current_stream()
+    acc.record(start, comp)
+    enqueue(start)
+    acc.record(end, comp)
+    acc.sync()
+    return start.elapsed_time(end)
+
+
+def copy_bandwidth(acc: Accel, host: torch.Tensor, nbytes: int, reps: int = 5) -> dict:
+    """GB/s of one large pinned copy each way, median of ``reps``."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=acc.device)
+    src = host[:nbytes]
+    out = {}
+    for name, dst, s in (("h2d", dev, src), ("d2h", src, dev)):
+        samples = []
+        for _ in range(reps + 1):
+            samples.append(timed(acc, lambda _s, dst=dst, s=s: dst.copy_(s, non_blocking=True)))
+        out[f"{name}_GBps"] = nbytes / (statistics.median(samples[1:]) * 1e-3) / 1e9
+    del dev
+    return out
+
+
+# ---------------------------------------------------------------- the synthetic layer
+
+class Weights:
+    def __init__(self, m: Model, device: torch.device, gen: torch.Generator) -> None:
+        def w(rows: int, cols: int) -> torch.Tensor:
+            return (torch.randn(rows, cols, generator=gen) * rows ** -0.5).to(device, DTYPE)
+
+        self.qkv = w(m.hidden, (m.heads + 2 * m.kv_heads) * m.head_dim)
+        self.o = w(m.heads * m.head_dim, m.hidden)
+        self.gate_up = w(m.hidden, 2 * m.intermediate)
+        self.down = w(m.intermediate, m.hidden)
+        self.norm = torch.ones(m.hidden, dtype=DTYPE, device=device)
+
+
+def forward_layer(m: Model, w: Weights, x: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
+                  check: torch.Tensor | None = None, layer: int = 0) -> torch.Tensor:
+    """One layer for the M rows of ``x``; attention over the prefix blocks ``block_ids`` of ``cache``."""
+    tokens, g = x.shape[0], m.heads // m.kv_heads
+    q = (F.rms_norm(x, (m.hidden,), w.norm) @ w.qkv)[:, : m.heads * m.head_dim]
+    q = q.reshape(tokens, m.kv_heads, g, m.head_dim).permute(1, 2, 0, 3).reshape(1, m.kv_heads, g * tokens, -1)
+    kv = cache.index_select(0, block_ids)  # [blocks, 2, block_size, kv_heads, head_dim]
+    if check is not None:
+        check[layer] = kv.float().mean()
+    kv = kv.permute(1, 3, 0, 2, 4).reshape(2, 1, m.kv_heads, -1, m.head_dim)
+    o = F.scaled_dot_product_attention(q, kv[0], kv[1])
+    x = x + o.reshape(m.kv_heads, g, tokens, m.head_dim).permute(2, 0, 1, 3).reshape(tokens, -1) @ w.o
+    gu = F.rms_norm(x, (m.hidden,), w.norm) @ w.gate_up
+    return x + (F.silu(gu[:, : m.intermediate]) * gu[:, m.intermediate:]) @ w.down
+
+
+# ---------------------------------------------------------------- one prefix
+
+class Prefix:
+    """A cached prefix: its per-layer host staging regions, the device paged caches, the block table."""
+
+    def __init__(self, acc: Accel, m: Model, tokens: int, host_pool: torch.Tensor, gen: torch.Generator) -> None:
+        self.acc, self.m, self.tokens = acc, m, tokens
+        self.blocks = tokens // m.block_size
+        self.layer_bytes = self.blocks * m.block_bytes
+        shape = (self.blocks, 2, m.block_size, m.kv_heads, m.head_dim)
+        self.host_regions = min(m.layers, host_pool.numel() // self.layer_bytes)
+        if self.host_regions == 0:
+            raise SystemExit(f"--host-gib too small for one layer of a {tokens}-token prefix")
+        regions = [host_pool[r * self.layer_bytes:(r + 1) * self.layer_bytes].view(DTYPE).view(shape)
+                   for r in range(self.host_regions)]
+        for r, region in enumerate(regions):  # region r holds r+1 everywhere (exact in bf16)
+            region.copy_(torch.full(shape, float(r + 1), dtype=DTYPE, device=acc.device))
+        self.host = [regions[layer % self.host_regions] for layer in range(m.layers)]
+        num_blocks = self.blocks + self.blocks // 4 + 1
+        self.block_list = torch.randperm(num_blocks, generator=gen)[: self.blocks].tolist()
+        self.block_ids = torch.tensor(self.block_list, device=acc.device)
+        self.caches = [torch.zeros((num_blocks,) + shape[1:], dtype=DTYPE, device=acc.device)
+                       for _ in range(m.layers)]
+        self.scratch = [torch.empty(shape, dtype=DTYPE, device=acc.device) for _ in range(2)]
+        self.copy_stream = acc.stream(priority=-1)
+        self.scatter_stream = acc.stream(priority=-1)  # "+sep" variants only
+
+    def expected(self, layer: int) -> float:
+        return float(layer % self.host_regions + 1)
+
+    def load(self, layer: int, done, per_block: bool = False) -> None:
+        """The connector's path: one H2D copy into the scratch, then the scatter, both on the copy stream."""
+        acc, cache, host = self.acc, self.caches[layer], self.host[layer]
+        with acc.on(self.copy_stream):
+            if per_block:
+                for i, b in enumerate(self.block_list):
+                    cache[b].copy_(host[i], non_blocking=True)
+            else:
+                self.scratch[0].copy_(host, non_blocking=True)
+                cache.index_copy_(0, self.block_ids, self.scratch[0])
+        acc.record(done, self.copy_stream)
+
+    def load_sep(self, layer: int, copied, done, scratch_free=None) -> None:
+        """Variant: H2D into alternating scratches on the copy stream, the scatter on its own stream,
+        so the copy engine never waits for a scatter kernel (which may queue behind the forward's)."""
+        acc, scratch = self.acc, self.scratch[layer % 2]
+        with acc.on(self.copy_stream):
+            if scratch_free is not None:  # the scatter of layer - 2 has read this scratch
+                acc.wait(self.copy_stream, scratch_free)
+            scratch.copy_(self.host[layer], non_blocking=True)
+        acc.record(copied, self.copy_stream)
+        with acc.on(self.scatter_stream):
+            acc.wait(self.scatter_stream, copied)
+            self.caches[layer].index_copy_(0, self.block_ids, scratch)
+        acc.record(done, self.scatter_stream)
+
+    def run(self, mode: str, w: Weights, x0: torch.Tensor, window: int | None = None,
+            check: torch.Tensor | None = None) -> float:
+        """One timed pass of ``mode``: compute, load, load_per_block, bulk or layerwise, optionally with
+        ``+sep`` (scatter on its own stream) or, for layerwise, ``+interleave`` (the host enqueues the load
+        of layer i + 2 right before the forward of layer i, instead of all loads first)."""
+        acc, L = self.acc, self.m.layers
+        base, _, variant = mode.partition("+")
+        layerwise, interleave = base == "layerwise", variant == "interleave"
+
+        def enqueue(start) -> None:
+            comp = acc.current_stream()
+            copied, loaded, computed = ([acc.event() for _ in range(L)] for _ in range(3))
+
+            def load(layer: int) -> None:
+                if variant == "sep":
+                    self.load_sep(layer, copied[layer], loaded[layer], loaded[layer - 2] if layer >= 2 else None)
+                else:
+                    self.load(layer, loaded[layer], per_block=base == "load_per_block")
+
+            if base != "compute":
+                acc.wait(self.copy_stream, start)
+            ahead = L
+            if layerwise and (interleave or window):
+                ahead = min(2 if interleave else window, L)
+            for layer in range(ahead if base != "compute" else 0):
+                load(layer)
+            if base in ("load", "load_per_block", "bulk"):
+                acc.wait(comp, loaded[L - 1])
+            if base.startswith("load"):
+                return
+            x = x0
+            for layer in range(L):
+                nxt = layer + ahead
+                if interleave and nxt < L:
+                    load(nxt)
+                if layerwise:
+                    acc.wait(comp, loaded[layer])
+                x = forward_layer(self.m, w, x, self.caches[layer], self.block_ids, check, layer)
+                if layerwise and not interleave and nxt < L:  # --window: at most `window` layers ahead
+                    acc.record(computed[layer], comp)
+                    acc.wait(self.copy_stream, computed[layer])
+                    load(nxt)
+
+        with acc.attention_backends():
+            return timed(acc, enqueue)
+
+    def check(self, w: Weights, x0: torch.Tensor, window: int | None) -> dict:
+        """Zeroed caches, one pass per mode; every layer must have read its own host region."""
+        want = torch.tensor([self.expected(i) for i in range(self.m.layers)])
+        out = {}
+        for mode in ("bulk",) + LAYERWISE:
+            for cache in self.caches:
+                cache.zero_()
+            got = torch.full((self.m.layers,), -1.0, device=self.acc.device)
+            self.run(mode, w, x0, window, check=got)
+            bad = (got.cpu() != want).nonzero().flatten().tolist()
+            out[mode] = "ok" if not bad else f"FAILED at layers {bad[:8]}"
+        return out
+
+
+# ---------------------------------------------------------------- measuring
+
+def median_runs(fn, warmup: int, repeats: int) -> float:
+    samples = [fn() for _ in range(warmup + repeats)]
+    return statistics.median(samples[warmup:])
+
+
+def fit_compute(prefix: Prefix, w: Weights, sizes: tuple[int, int], gen: torch.Generator) -> tuple[float, float]:
+    """compute(M) ~ a + b*M (ms), from the forward timed at two sizes of M."""
+    points = []
+    for rows in sizes:
+        x0 = torch.randn(rows, prefix.m.hidden, generator=gen).to(prefix.acc.device, DTYPE)
+        points.append(median_runs(lambda: prefix.run("compute", w, x0), 1, 3))
+    b = (points[1] - points[0]) / (sizes[1] - sizes[0])
+    return points[0] - b * sizes[0], max(b, 1e-9)
+
+
+def pick_rows(target_ms: float, a: float, b: float, align: int) -> int:
+    return max(align, int(round((target_ms - a) / b / align)) * align)
+
+
+def measure(prefix: Prefix, w: Weights, rows: int, ratio: float, args, gen: torch.Generator) -> dict:
+    m, L = prefix.m, prefix.m.layers
+    x0 = torch.randn(rows, m.hidden, generator=gen).to(prefix.acc.device, DTYPE)
+    modes = ("compute", "load", "bulk") + LAYERWISE + ("load+sep",)
+    samples: dict[str, list[float]] = {mode: [] for mode in modes}
+    for rep in range(args.warmup + args.repeats):
+        for mode in modes:
+            t = prefix.run(mode, w, x0, args.window)
+            if rep >= args.warmup:
+                samples[mode].append(t)
+    med = {mode: statistics.median(v) for mode, v in samples.items()}
+    load, comp = med["load"], med["compute"]
+    ideal = max(load, comp) + min(load, comp) / L
+    total = prefix.layer_bytes * L
+    return {
+        "prefix_tokens": prefix.tokens, "kv_MiB_per_layer": prefix.layer_bytes / MiB, "new_tokens": rows,
+        "ratio_target": ratio, "ratio_measured": load / comp,
+        "compute_ms": comp, "load_ms": load, "bulk_ms": med["bulk"], "layerwise_ms": med["layerwise"],
+        "ideal_ms": ideal, "layerwise_over_ideal": med["layerwise"] / ideal, "bulk_over_ideal": med["bulk"] / ideal,
+        "load_GBps": total / (load * 1e-3) / 1e9, "host_regions": prefix.host_regions, "samples_ms": samples,
+        "layerwise_sep_ms": med["layerwise+sep"], "layerwise_interleave_ms": med["layerwise+interleave"],
+        "layerwise_sep_over_ideal": med["layerwise+sep"] / ideal,
+        "layerwise_interleave_over_ideal": med["layerwise+interleave"] / ideal,
+        "load_sep_ms": med["load+sep"], "load_sep_GBps": total / (med["load+sep"] * 1e-3) / 1e9,
+    }
+
+
+def run_prefix(acc: Accel, m: Model, tokens: int, ratios: list[float], host_pool: torch.Tensor, w: Weights,
+               args, gen: torch.Generator, per_block: bool) -> tuple[list[dict], dict]:
+    prefix = Prefix(acc, m, tokens, host_pool, gen)
+    extra: dict = {"prefix_tokens": tokens}
+    bw = copy_bandwidth(acc, host_pool, min(args.copy_bytes, host_pool.numel()))
+    extra.update(bw)
+    a, b = fit_compute(prefix, w, args.fit_rows, gen)
+    load = median_runs(lambda: prefix.run("load", w, None), 1, 3)
+    extra.update(fit_a_ms=a, fit_b_ms_per_row=b, load_probe_ms=load)
+    x_check = torch.randn(args.fit_rows[0], m.hidden, generator=gen).to(acc.device, DTYPE)
+    extra["check"] = prefix.check(w, x_check, args.window)
+    print(f"  prefix {tokens}: check {extra['check']}, load {load:.2f} ms, compute(M) = {a:.2f} + {b * 1e3:.3f}e-3*M ms",
+          flush=True)
+    if per_block:
+        t = median_runs(lambda: prefix.run("load_per_block", w, None), 1, 3)
+        extra.update(per_block_ms=t, per_block_GBps=prefix.layer_bytes * m.layers / (t * 1e-3) / 1e9,
+                     per_block_copies=prefix.blocks * m.layers)
+    rows = []
+    for ratio in ratios:
+        row = measure(prefix, w, pick_rows(load / ratio, a, b, m.block_size), ratio, args, gen)
+        row["pinned_h2d_GBps"] = bw["h2d_GBps"]
+        rows.append(row)
+        print(f"    ratio {ratio}: M={row['new_tokens']} layerwise/ideal {row['layerwise_over_ideal']:.3f}", flush=True)
+    del prefix
+    if acc.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows, extra
+
+
+def print_markdown(head: list[str], body: list[list[str]]) -> None:
+    table = [head] + body
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for i, row in enumerate(table):
+        print("| " + " | ".join(c.rjust(wd) for c, wd in zip(row, widths)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (wd + 1) + ":" for wd in widths) + "|")
+
+
+def print_tables(rows: list[dict]) -> None:
+    print_markdown(
+        ["prefix tokens", "KV MiB/layer", "new tokens M", "load/compute target", "load/compute measured",
+         "compute ms", "load ms", "bulk ms", "layerwise ms", "ideal ms", "layerwise/ideal", "bulk/ideal",
+         "load GB/s", "pinned H2D GB/s"],
+        [[str(r["prefix_tokens"]), f"{r['kv_MiB_per_layer']:g}", str(r["new_tokens"]), f"{r['ratio_target']:g}",
+          f"{r['ratio_measured']:.2f}", f"{r['compute_ms']:.2f}", f"{r['load_ms']:.2f}", f"{r['bulk_ms']:.2f}",
+          f"{r['layerwise_ms']:.2f}", f"{r['ideal_ms']:.2f}", f"{r['layerwise_over_ideal']:.3f}",
+          f"{r['bulk_over_ideal']:.3f}", f"{r['load_GBps']:.1f}", f"{r['pinned_h2d_GBps']:.1f}"] for r in rows])
+    print("\nLayerwise variants (same ideal): +sep = scatter on its own stream, two scratches; "
+          "+interleave = load i+2 enqueued right before layer i's forward\n")
+    print_markdown(
+        ["prefix tokens", "new tokens M", "load/compute measured", "ideal ms", "layerwise ms", "+sep ms",
+         "+interleave ms", "layerwise/ideal", "+sep/ideal", "+interleave/ideal", "load GB/s", "load +sep GB/s"],
+        [[str(r["prefix_tokens"]), str(r["new_tokens"]), f"{r['ratio_measured']:.2f}", f"{r['ideal_ms']:.2f}",
+          f"{r['layerwise_ms']:.2f}", f"{r['layerwise_sep_ms']:.2f}", f"{r['layerwise_interleave_ms']:.2f}",
+          f"{r['layerwise_over_ideal']:.3f}", f"{r['layerwise_sep_over_ideal']:.3f}",
+          f"{r['layerwise_interleave_over_ideal']:.3f}", f"{r['load_GBps']:.1f}", f"{r['load_sep_GBps']:.1f}"]
+         for r in rows])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto", help="auto (the current accelerator, else cpu), cuda, cpu, ...")
+    parser.add_argument("--quick", action="store_true", help="tiny model and sizes (a CPU smoke test)")
+    parser.add_argument("--prefix", type=int, default=16384, help="prefix tokens of the ratio sweep")
+    parser.add_argument("--ratios", default="0.25,0.5,1,2,4", help="target load/compute ratios")
+    parser.add_argument("--more-prefixes", default="4096,65536", help="prefixes also run at ratio 1")
+    parser.add_argument("--window", type=int, default=None, help="layerwise: load at most N layers ahead")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--host-gib", type=float, default=8.0, help="pinned host pool (layers share regions beyond it)")
+    parser.add_argument("--json", type=Path, default=RESULTS, help=f"results JSON (default {RESULTS})")
+    args = parser.parse_args()
+    acc = Accel(args.device)
+    m = TINY if args.quick else LLAMA3_8B
+    if args.quick:
+        args.prefix, args.more_prefixes, args.host_gib = 512, "256", 1 / 16
+        args.repeats, args.warmup = min(args.repeats, 3), 1
+    args.copy_bytes = (8 * MiB) if args.quick else GiB
+    args.fit_rows = (16, 64) if args.quick else (512, 4096)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    more = [int(p) for p in args.more_prefixes.split(",") if p]
+    started = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    print(f"{m.name} on {acc.describe()}, torch {torch.__version__}; pinning {args.host_gib:g} GiB", flush=True)
+    host_pool = acc.pinned(int(args.host_gib * GiB))
+    w = Weights(m, acc.device, gen)
+    rows, extras = [], []
+    for tokens, rs in [(args.prefix, ratios)] + [(p, [1.0]) for p in more]:
+        r, e = run_prefix(acc, m, tokens, rs, host_pool, w, args, gen, per_block=tokens == args.prefix)
+        rows += r
+        extras.append(e)
+    elapsed = time.perf_counter() - started
+    main_extra = extras[0]
+    print(f"\n{m.name} ({m.layers} layers, {m.block_bytes // 1024} KiB per block per layer), {acc.describe()}, "
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; median of {args.repeats}, "
+          f"window {args.window or 'all layers'}; ideal = max(load, compute) + min(load, compute)/{m.layers}\n")
+    print_tables(rows)
+    print(f"\nOne large pinned copy ({args.copy_bytes // MiB} MiB): H2D {main_extra['h2d_GBps']:.1f} GB/s, "
+          f"D2H {main_extra['d2h_GBps']:.1f} GB/s. Prefix {args.prefix} loaded with one copy per block "
+          f"({main_extra['per_block_copies']} copies of {m.block_bytes // 1024} KiB, no staging): "
+          f"{main_extra['per_block_GBps']:.1f} GB/s vs batched staging + scatter {rows[0]['load_GBps']:.1f} GB/s.")
+    print("Checks (each layer read its own KV): " + "; ".join(f"{e['prefix_tokens']}: {e['check']}" for e in extras))
+    out = {"script": "layer_pipeline", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
+           "device": acc.describe(), "torch": torch.__version__, "model": asdict(m), "elapsed_s": elapsed,
+           "args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows, "per_prefix": extras}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=1, default=str))
+    print(f"\nwrote {args.json} ({elapsed:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
