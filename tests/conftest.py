@@ -180,7 +180,18 @@ def tiny_mla_model() -> Path:
 MLA = {"attention_backend": "CPU_MLA", "block_size": 16}
 
 
-def tp2_baseline(model: Path, workdir: Path, **spec) -> list[dict]:
-    """No-connector output at TP=2 (TP changes float rounding, so it has its own baseline)."""
-    (results,) = Engine(model, workdir).run([PROMPTS["tp2"]], **TP2, **spec)
-    return results
+@pytest.fixture(scope="session")
+def tp2_baseline(tmp_path_factory) -> Callable[..., list[dict]]:
+    """``tp2_baseline(model, **spec)``: no-connector output for PROMPTS["tp2"] at TP=2
+    (TP changes float rounding, so it has its own baseline); one engine run per
+    model and spec in a session, shared by the local-pool and Mooncake tests."""
+    results: dict[str, list[dict]] = {}
+
+    def run(model: Path, **spec) -> list[dict]:
+        key = json.dumps([str(model), spec], sort_keys=True)
+        if key not in results:
+            engine = Engine(model, tmp_path_factory.mktemp("tp2-baseline"))
+            (results[key],) = engine.run([PROMPTS["tp2"]], **TP2, **spec)
+        return results[key]
+
+    return run

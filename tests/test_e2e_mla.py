@@ -9,7 +9,7 @@ import json
 import uuid
 from pathlib import Path
 
-from conftest import MLA, PROMPTS, TP2, Engine, aio_config, assert_same_generation, tp2_baseline
+from conftest import MLA, PROMPTS, TP2, Engine, aio_config, assert_same_generation
 from vllm_aio.pool.entry import HEADER_BYTES
 
 # A warm MLA request computes its last few prompt tokens through CPU_MLA's
@@ -32,10 +32,10 @@ def _keys_per_process(record_dir: Path) -> list[set[str]]:
     return [set(path.read_text().split()) for path in sorted(record_dir.iterdir())]
 
 
-def test_mla_ranks_store_one_copy_of_the_latent_half_each(tiny_mla_model, tmp_path):
+def test_mla_ranks_store_one_copy_of_the_latent_half_each(tiny_mla_model, tmp_path, tp2_baseline):
     from vllm_aio.pool.host_pool import SharedHostPool
 
-    baseline = tp2_baseline(tiny_mla_model, tmp_path, **MLA)
+    baseline = tp2_baseline(tiny_mla_model, **MLA)
     # Equal outputs of a model that repeats one token would prove nothing.
     assert all(len(set(r["token_ids"])) >= len(r["token_ids"]) // 2 for r in baseline)
     prompts, name = PROMPTS["tp2"], f"mla-{uuid.uuid4().hex[:8]}"

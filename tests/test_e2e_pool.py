@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from conftest import PROMPTS, TP2, Engine, aio_config, assert_same_generation, tp2_baseline
+from conftest import PROMPTS, TP2, Engine, aio_config, assert_same_generation
 
 
 def _cached_fraction(result: dict) -> float:
@@ -136,14 +136,14 @@ def _tp2_run(model, workdir, baseline: list[dict]) -> int:
         holder.close()
 
 
-def test_tensor_parallel_ranks_store_and_load_their_own_heads(tiny_model, tmp_path):
+def test_tensor_parallel_ranks_store_and_load_their_own_heads(tiny_model, tmp_path, tp2_baseline):
     # Each rank holds one of the model's two KV heads: a key without the rank
     # (vLLM's ExampleConnector's mistake at TP=2) would serve the wrong head.
-    stored = _tp2_run(tiny_model, tmp_path, tp2_baseline(tiny_model, tmp_path))
+    stored = _tp2_run(tiny_model, tmp_path, tp2_baseline(tiny_model))
     assert stored == 2 * sum(len(p) // 32 for p in PROMPTS["tp2"])
 
 
-def test_ranks_holding_identical_kv_store_one_copy_between_them(tiny_1kv_model, tmp_path):
+def test_ranks_holding_identical_kv_store_one_copy_between_them(tiny_1kv_model, tmp_path, tp2_baseline):
     # One KV head: both ranks hold the same bytes; each stores half the blocks.
-    stored = _tp2_run(tiny_1kv_model, tmp_path, tp2_baseline(tiny_1kv_model, tmp_path))
+    stored = _tp2_run(tiny_1kv_model, tmp_path, tp2_baseline(tiny_1kv_model))
     assert stored == sum(len(p) // 32 for p in PROMPTS["tp2"])
