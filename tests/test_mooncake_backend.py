@@ -33,7 +33,7 @@ from vllm_aio.backends.mooncake import (
     put_status,
 )
 from vllm_aio.config import ConfigError
-from vllm_aio.devtools.mooncake_pool import MooncakePool, free_port
+from vllm_aio.devtools.mooncake_pool import CLIENT_TTL, MooncakePool, free_port
 
 pytest_plugins = ["mooncake_fixtures"]
 
@@ -226,6 +226,13 @@ def test_memory_owner_killed_gets_fail_bounded(mooncake_pool_factory: Callable[.
         assert set(statuses) <= {Status.ERROR, Status.MISSING}
     finally:
         backend.close()
+
+
+def test_dev_pool_master_keeps_a_silent_client_for_a_minute(mooncake_pool_factory: Callable[..., MooncakePool]) -> None:
+    # Mooncake's default of 10 s lost the pool when TP workers starved the memory owner.
+    pool = mooncake_pool_factory()
+    assert CLIENT_TTL >= 60
+    assert f"client_ttl={CLIENT_TTL}," in (pool.log_dir / "master.log").read_text()
 
 
 def test_unreachable_master_fails_setup_fast() -> None:

@@ -33,6 +33,11 @@ from vllm_aio.config import ConfigError, parse_size
 HOST = "127.0.0.1"
 INSTALL_HINT = "pip install 'vllm_aio[mooncake]'"
 MIN_SIZE = 16 << 20  # mooncake_client refuses smaller segments
+# Seconds the master keeps a client, and the memory it owns, after its last
+# heartbeat (mooncake_master --client_ttl, default 10). With two TP workers on
+# a 2-core machine the 10 s lease ran out and the pool was lost (calls failed
+# with -707), so a development pool waits longer; master_args can override it.
+CLIENT_TTL = 60
 
 
 class PoolError(RuntimeError):
@@ -172,6 +177,7 @@ class MooncakePool:
             f"--metrics_port={self.metrics_port}",
             f"--metrics_host={HOST}",
             "--enable_http_metadata_server=false",
+            f"--client_ttl={CLIENT_TTL}",
             *self.master_args,
         ]
 
