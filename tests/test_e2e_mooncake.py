@@ -35,10 +35,13 @@ def test_producer_stores_and_consumer_loads_through_mooncake(engine, baseline, m
     assert_same_generation(consumed, baseline["pd"])
 
 
-def test_second_instance_hits_what_the_first_computed(engine, baseline, mooncake_pool_factory):
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole_blocks", "layerwise"])
+def test_second_instance_hits_what_the_first_computed(engine, baseline, mooncake_pool_factory, layerwise):
     pool = mooncake_pool_factory("512MB")
-    engine.run([PROMPTS["warm"]], mooncake("kv_both", pool))
-    (second,) = engine.run([PROMPTS["warm"]], mooncake("kv_both", pool))
+    config = mooncake("kv_both", pool)
+    config["kv_connector_extra_config"]["use_layerwise"] = layerwise
+    engine.run([PROMPTS["warm"]], config)
+    (second,) = engine.run([PROMPTS["warm"]], config)
     assert all(_cached_fraction(r) >= 0.8 for r in second), [r["cached"] for r in second]
     assert_same_generation(second, baseline["warm"])
 
