@@ -67,6 +67,8 @@ PRESETS: dict[str, ModelSpec] = {
     # One KV head: under TP every rank holds the same KV (stored once).
     "tiny_1kv": ModelSpec(num_kv_heads=1),
     # MLA: one latent per token shared by every head, so TP ranks hold identical KV.
+    # A larger init widens greedy margins: a warm request's last tokens take MLA's
+    # context path, which rounds differently, and at 0.08 that flipped a near tie.
     "tiny_mla": MlaModelSpec(num_layers=2, num_kv_heads=1, init_std=0.2),
     # A few hundred million parameters: prefill costs real time on a CPU,
     # which is what a pool hit is supposed to save.
