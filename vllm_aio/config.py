@@ -84,6 +84,10 @@ class AioConfig:
     transfer_timeout: float = 30.0
     # Host bytes per direction for blocks in flight (page-locked on accelerators).
     staging_buffer_size: int = 256 << 20
+    # Layers of KV cache kept on the device (0: every layer, the normal
+    # cache). With S >= 2, layers time-share S device buffers while the full KV
+    # lives in host memory, and vLLM sees about layers/S times more blocks.
+    dynamic_buffer_layers: int = 0
     # Mooncake settings given inline (master_server_address, protocol, ...);
     # merged over the MOONCAKE_CONFIG_PATH file and checked by the backend.
     mooncake: dict[str, Any] = field(default_factory=dict)
@@ -105,6 +109,15 @@ class AioConfig:
             raise ConfigError(
                 "use_layerwise, load_async: choose one; layerwise loads overlap the forward, "
                 "load_async loads before the request is scheduled"
+            )
+        if self.dynamic_buffer_layers == 1 or self.dynamic_buffer_layers < 0:
+            raise ConfigError(
+                f"dynamic_buffer_layers: expected 0 (off) or an integer >= 2, got {self.dynamic_buffer_layers}"
+            )
+        if self.dynamic_buffer_layers and self.use_layerwise:
+            raise ConfigError(
+                "dynamic_buffer_layers, use_layerwise: choose one; the dynamic buffer already streams "
+                "every layer through host memory"
             )
         if self.layerwise_prefetch_layers < 0:
             raise ConfigError(f"layerwise_prefetch_layers: expected an integer >= 0, got {self.layerwise_prefetch_layers}")

@@ -1,0 +1,119 @@
+"""Re-plans vLLM's KV cache for ``dynamic_buffer_layers``: L layers on S buffers.
+
+vLLM sizes its KV cache in ``get_kv_cache_configs`` (v1/core/kv_cache_utils.py):
+blocks = memory / (page x L). With the dynamic buffer only S layer buffers
+live on the device, so the plan is made for L/S times the memory (L/S times
+the blocks) and then every layer is placed on buffer ``l % S``: one
+``KVCacheTensor`` per layer at offset ``(l % S) x region`` of one backing
+allocation of ``S x region`` bytes, exactly the memory vLLM measured. Layers
+sharing a buffer alias the same bytes; the worker
+(``connector/layer_buffer.py``) streams each layer's blocks in from host
+memory before it runs and writes new K/V back before the buffer is reused.
+
+This module is a ``vllm.general_plugins`` entry point (see setup.py): vLLM
+calls ``register`` in each of its processes before the KV cache is planned.
+It changes nothing unless the AioConnector is configured with
+``dynamic_buffer_layers`` >= 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from vllm_aio.config import ConfigError, parse_extra_config
+from vllm_aio.log import get_logger
+
+logger = get_logger(__name__)
+
+_PLANNER = "get_kv_cache_configs"
+
+
+def register() -> None:
+    from vllm.v1.core import kv_cache_utils
+
+    original = getattr(kv_cache_utils, _PLANNER)
+    if getattr(original, "__wrapped_by_vllm_aio__", False):
+        return
+
+    def plan(vllm_config, kv_cache_specs, available_memory):
+        buffers = dynamic_buffer_layers(vllm_config)
+        if not buffers:
+            return original(vllm_config, kv_cache_specs, available_memory)
+        refuse_unsupported(vllm_config)
+        num_layers = max(len(specs) for specs in kv_cache_specs)
+        if buffers >= num_layers:
+            raise ConfigError(
+                f"dynamic_buffer_layers: {buffers} buffers for a model of {num_layers} layers saves nothing; "
+                f"use 2..{num_layers - 1} or 0 (off)"
+            )
+        scaled = [memory * num_layers // buffers for memory in available_memory]
+        configs = [alias_layers(c, buffers) for c in original(vllm_config, kv_cache_specs, scaled)]
+        logger.info(
+            "vllm_aio: dynamic buffer: %d layers on %d device buffers, %d blocks (%.1fx the device-resident "
+            "count); host memory holds every layer",
+            num_layers,
+            buffers,
+            configs[0].num_blocks,
+            num_layers / buffers,
+        )
+        return configs
+
+    plan.__wrapped_by_vllm_aio__ = True
+    setattr(kv_cache_utils, _PLANNER, plan)
+    # The engine core imports the planner by name; patch that copy if it exists already.
+    core = sys.modules.get("vllm.v1.engine.core")
+    if core is not None and hasattr(core, _PLANNER):
+        setattr(core, _PLANNER, plan)
+
+
+def dynamic_buffer_layers(vllm_config: Any) -> int:
+    """S from the AioConnector's extra config; 0 when off or another connector runs."""
+    transfer = vllm_config.kv_transfer_config
+    if transfer is None or not str(transfer.kv_connector_module_path or "").startswith("vllm_aio"):
+        return 0
+    return parse_extra_config(transfer.kv_connector_extra_config).dynamic_buffer_layers
+
+
+def refuse_unsupported(vllm_config: Any) -> None:
+    """Features that run layers out of order or skip the per-layer hooks."""
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is not None and mode.has_full_cudagraphs():
+        raise ConfigError(
+            f"dynamic_buffer_layers: cudagraph_mode {mode.name} replays whole forwards without the per-layer "
+            "hooks the buffer needs; use PIECEWISE or NONE"
+        )
+    if vllm_config.speculative_config is not None:
+        raise ConfigError("dynamic_buffer_layers: speculative decoding (draft layers) is not supported")
+    if getattr(vllm_config.parallel_config, "enable_dbo", False):
+        raise ConfigError("dynamic_buffer_layers: micro-batching (enable_dbo) is not supported")
+
+
+def alias_layers(config: Any, buffers: int) -> Any:
+    """Put layer ``l`` of the single layer-outermost tensor on buffer ``l % buffers``."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    if len(config.kv_cache_groups) != 1 or len(config.kv_cache_tensors) != 1:
+        raise ConfigError(
+            "dynamic_buffer_layers: needs a model with one KV cache group of one layer shape "
+            f"(got {len(config.kv_cache_groups)} groups, {len(config.kv_cache_tensors)} tensors)"
+        )
+    (tensor,) = config.kv_cache_tensors
+    region = tensor.layer_stride
+    if tensor.offset != 0 or tensor.block_stride * config.num_blocks > region:
+        raise ConfigError(
+            "dynamic_buffer_layers: needs a layer-outermost KV cache layout (each layer one region); "
+            "set VLLM_KV_CACHE_LAYOUT to a layer-outermost layout"
+        )
+    layers = [
+        KVCacheTensor(
+            size=buffers * region,
+            layers=[name],
+            layer_stride=region,
+            block_stride=tensor.block_stride,
+            offset=(i % buffers) * region,
+        )
+        for i, name in enumerate(tensor.layers)
+    ]
+    return dataclasses.replace(config, kv_cache_tensors=layers)
