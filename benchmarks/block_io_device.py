@@ -1,0 +1,443 @@
+"""The connector's real transfer path on the device: ``BlockIO`` over the embedded ``LocalBackend``.
+
+What is measured (one batch of scattered blocks per call, median of ``--repeats``
+after ``--warmup``; every timing starts and ends with a device synchronize):
+
+* ``save``: ``BlockIO.save`` = on-device gather of the blocks into a scratch,
+  one device-to-host copy into page-locked staging, headers written, then
+  ``LocalBackend.batch_put`` (memcpy staging -> pool in ``/dev/shm``);
+* ``load``: ``BlockIO.load`` = ``LocalBackend.batch_get`` (memcpy pool ->
+  page-locked staging), header check, one host-to-device copy, on-device
+  scatter into the paged cache.
+
+GB/s everywhere is payload bytes (the KV bytes of the batch, headers excluded)
+over wall time. The KV cache is Llama-3-8B's per rank at TP=1: 32 layers, each
+``[2, num_blocks, 16, 8, 128]`` bf16 (FlashAttention's layout: a K and a V
+plane of 32 KiB per block per layer). Two value units, as the connector stores
+them: whole blocks (``Unit(all 32 layers)``: 2 MiB + a 64-byte header per
+value) and one layer (layerwise, ``Unit((l,), l)``: 64 KiB + header per value),
+at batches of 64 and 256 blocks picked at random from the cache.
+
+Ceilings, measured in the same run on the same bytes (n values, headers
+included), interleaved with the path in each repetition:
+
+* ``pinned H2D`` / ``D2H``: one copy of the batch between a pinned host buffer
+  and the device (CUDA events);
+* ``host memcpy``: torch ``copy_`` between two pinned host buffers (may use
+  several threads); ``1-thread memmove`` (second table): one ``ctypes.memmove``,
+  the primitive the pool copies with;
+* ``pool get`` / ``pool put``: ``LocalBackend.batch_get`` / ``batch_put`` alone,
+  into / from a pinned buffer laid out as the staging is (one value per row):
+  the pool's share of the path;
+* (second table) ``scatter`` / ``gather``: ``BlockLayout.scatter`` /
+  ``gather`` alone on the device (CUDA events): the path's on-device share.
+
+BlockIO runs its stages one after the other (the H2D starts when the whole
+batch_get has returned), so the second table also gives the sum of the stage
+times next to the measured path.
+
+The pool is sized for every timed put to use fresh keys (a put of a stored key
+returns EXISTS without copying), capped by ``--pool-gib`` and the free space
+of ``/dev/shm``; when capped, it is filled to the brim before timing so that
+every timed put evicts (the steady state of a full pool), and the keys loaded
+are refreshed before each repetition's puts so LRU never evicts them. The pool
+is pre-faulted (filled once, untimed). Each case checks once that loaded
+blocks equal the saved ones byte for byte.
+
+Run locally (CPU, tiny sizes: a smoke test of the code paths, timings meaningless):
+
+    .venv/bin/python benchmarks/block_io_device.py --device cpu --quick
+
+On the GPU machine, through the device tool (python3 there holds torch):
+
+    python3 benchmarks/block_io_device.py --json $OUT/block_io_device.json
+
+Results JSON goes to ``benchmarks/results/block_io_device.json`` unless ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vllm_aio.backends import Status  # noqa: E402
+from vllm_aio.backends.local import LocalBackend  # noqa: E402
+from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff  # noqa: E402
+from vllm_aio.connector.block_layout import BlockLayout  # noqa: E402
+from vllm_aio.connector.staging import StagingBuffer  # noqa: E402
+from vllm_aio.device import Device  # noqa: E402
+from vllm_aio.pool import host_pool  # noqa: E402
+from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader  # noqa: E402
+from vllm_aio.pool.keys import Unit  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "block_io_device.json"
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int = 16
+
+    @property
+    def plane_bytes(self) -> int:  # K (or V) of one block of one layer
+        return self.block_size * self.kv_heads * self.head_dim * DTYPE.itemsize
+
+
+LLAMA3_8B = Model("Llama-3-8B", layers=32, kv_heads=8, head_dim=128)
+TINY = Model("tiny (--quick)", layers=4, kv_heads=2, head_dim=32)
+
+
+# ---------------------------------------------------------------- timing
+
+def resolve(name: str) -> torch.device:
+    if name == "auto":
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        name = acc.type if acc is not None else "cpu"
+    dev = torch.device(name)
+    if dev.type != "cpu" and dev.index is None:
+        dev = torch.device(dev.type, torch.accelerator.current_device_index())
+    return dev
+
+
+def describe(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"{dev.type} ({platform.processor() or platform.machine()})"
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type != "cpu":
+        torch.accelerator.synchronize(dev)
+
+
+def wall(dev: torch.device, fn) -> float:
+    """Seconds of ``fn()``, the device idle before and drained after."""
+    sync(dev)
+    start = time.perf_counter()
+    fn()
+    sync(dev)
+    return time.perf_counter() - start
+
+
+def events(dev: torch.device, fn) -> float:
+    """Seconds of the device work ``fn`` enqueues on the current stream (CUDA events); wall time on CPU."""
+    if dev.type == "cpu":
+        return wall(dev, fn)
+    sync(dev)
+    start, end = torch.Event(dev, enable_timing=True), torch.Event(dev, enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    sync(dev)
+    return start.elapsed_time(end) * 1e-3
+
+
+def expect(statuses: list[Status], want: Status, what: str) -> None:
+    bad = [s for s in statuses if s is not want]
+    if bad:
+        raise RuntimeError(f"{what}: {len(bad)} of {len(statuses)} returned {bad[0]} (want {want})")
+
+
+# ---------------------------------------------------------------- one case
+
+@dataclass(frozen=True)
+class Case:
+    unit_name: str  # "whole block" or "one layer"
+    blocks: int
+
+
+class Bench:
+    """The cache, staging and ceiling buffers shared by every case."""
+
+    def __init__(self, dev: torch.device, m: Model, max_blocks: int, args) -> None:
+        self.dev, self.m, self.args = dev, m, args
+        self.num_blocks = 2 * max_blocks + 64  # saved and loaded block ids never overlap
+        gen = torch.Generator().manual_seed(0)
+        on_dev = torch.Generator(device=dev).manual_seed(0)
+        shape = (2, self.num_blocks, m.block_size, m.kv_heads, m.head_dim)
+        self.names = [f"layers.{i}.attn" for i in range(m.layers)]
+        self.caches = {  # random bits (compared as int16: bf16 NaNs are never equal), made on the device
+            n: torch.randint(-32768, 32767, shape, generator=on_dev, dtype=torch.int16, device=dev).view(DTYPE)
+            for n in self.names
+        }
+        self.layout = BlockLayout(self.caches, self.names, self.num_blocks)
+        self.device = Device(dev)
+        self.whole_value = HEADER_BYTES + self.layout.payload_bytes(range(m.layers))
+        self.max_bytes = max_blocks * self.whole_value
+        self.load_staging = StagingBuffer(self.device, self.max_bytes)
+        self.save_staging = StagingBuffer(self.device, self.max_bytes)
+        self.host_a = self.device.host_buffer(self.max_bytes)  # ceilings: pinned on an accelerator
+        self.host_b = self.device.host_buffer(self.max_bytes)
+        self.host_a.fill_(1)
+        self.host_b.fill_(2)
+        self.dev_buf = torch.empty(self.max_bytes, dtype=torch.uint8, device=dev) if dev.type != "cpu" else None
+        self.header = EntryHeader("0123456789abcdef", "pp0.dcp0.h0", -1, m.block_size, 0)
+        self.gen = gen
+
+    def unit(self, name: str) -> Unit:
+        if name == "whole block":
+            return Unit(tuple(range(self.m.layers)), None)
+        return Unit((self.args.layer,), self.args.layer)
+
+    def run(self, case: Case) -> dict:
+        args, dev, n = self.args, self.dev, case.blocks
+        unit = self.unit(case.unit_name)
+        payload = self.layout.payload_bytes(unit.layers)
+        value = HEADER_BYTES + payload
+        batch = n * value  # bytes that cross each stage
+        reps = args.warmup + args.repeats
+        want_slots = n * (1 + 2 * reps)  # the loaded keys + fresh keys for each save and pool put
+        shm_free = _shm_free()
+        cap = min(int(args.pool_gib * GiB), int(shm_free * 0.8))
+        slots = min(want_slots, cap // value)
+        row: dict = {"case": case.unit_name, "blocks": n, "value_bytes": value, "payload_bytes": n * payload,
+                     "pool_slots": slots, "pool_GiB": slots * value / GiB, "shm_free_GiB": shm_free / GiB}
+        if slots < 3 * n:
+            row["skipped"] = (f"pool of {slots} slots < 3 x {n} (--pool-gib {args.pool_gib}, "
+                              f"{shm_free / GiB:.1f} GiB free in {host_pool.SHM_DIR})")
+            print(f"  {case.unit_name} x {n}: SKIPPED, {row['skipped']}", flush=True)
+            return row
+        full = slots < want_slots
+        perm = torch.randperm(self.num_blocks, generator=self.gen)
+        src_ids, dst_ids = perm[:n].tolist(), perm[n:2 * n].tolist()
+        tag = uuid.uuid4().hex[:8]
+        backend = LocalBackend(f"bench-bio-{tag}", slots * value, value, seal=True)
+        try:
+            io = BlockIO(self.layout, backend, self.header, self.load_staging, self.save_staging, 30.0)
+            pool = backend.pool
+            pool._data[:] = 0  # pre-fault every page of the pool (internal view; untimed)
+            host_rows = [[(self.host_a.data_ptr() + i * value, value)] for i in range(n)]
+            if full:  # fill to the brim: every timed put then evicts, as in a full pool's steady state
+                for start in range(0, slots, n):
+                    k = min(n, slots - start)
+                    expect(backend.batch_put([f"fill:{start + i}" for i in range(k)], host_rows[:k]),
+                           Status.OK, "fill")
+            loaded = [BlockRef(b, f"{tag}:load:{i}".encode()) for i, b in enumerate(src_ids)]
+            expect(io.save(loaded, unit, io.device.record(), CopyHandoff()), Status.OK, "save of the loaded set")
+            into = [BlockRef(b, r.block_hash) for b, r in zip(dst_ids, loaded)]
+            load_keys = io.keys(loaded, unit)
+            ids_dev = torch.tensor(dst_ids, dtype=torch.int64, device=dev)
+            ids_src_dev = torch.tensor(src_ids, dtype=torch.int64, device=dev)
+            dev_rows = (self.dev_buf[:batch].view(n, value) if self.dev_buf is not None
+                        else torch.empty(n, value, dtype=torch.uint8))
+            a, b = self.host_a[:batch], self.host_b[:batch]
+            a_addr, b_addr = a.data_ptr(), b.data_ptr()
+            counter = iter(range(1 << 30))
+
+            def fresh(kind: str) -> list[BlockRef]:
+                r = next(counter)
+                return [BlockRef(bid, f"{tag}:{kind}:{r}:{i}".encode()) for i, bid in enumerate(src_ids)]
+
+            def do_save() -> None:
+                refs, handoff = fresh("save"), CopyHandoff()
+                expect(io.save(refs, unit, io.device.record(), handoff), Status.OK, "BlockIO.save")
+
+            def do_put() -> None:
+                keys = io.keys(fresh("put"), unit)
+                expect(backend.batch_put(keys, host_rows), Status.OK, "pool put")
+
+            reads = {
+                "load": lambda: wall(dev, lambda: expect(io.load(into, unit), Status.OK, "BlockIO.load")),
+                "pool_get": lambda: wall(dev, lambda: expect(backend.batch_get(load_keys, host_rows), Status.OK,
+                                                             "pool get")),
+                "host_memcpy": lambda: wall(dev, lambda: b.copy_(a)),
+                "memmove_1t": lambda: wall(dev, lambda: ctypes.memmove(b_addr, a_addr, batch)),
+            }
+            writes = {
+                "save": lambda: wall(dev, do_save),
+                "pool_put": lambda: wall(dev, do_put),
+            }
+            if dev.type != "cpu":
+                reads["h2d"] = lambda: events(dev, lambda: dev_rows.copy_(a.view(n, value), non_blocking=True))
+                writes["d2h"] = lambda: events(dev, lambda: a.view(n, value).copy_(dev_rows, non_blocking=True))
+                reads["scatter"] = lambda: events(
+                    dev, lambda: self.layout.scatter(dev_rows[:, HEADER_BYTES:], ids_dev, unit.layers))
+                writes["gather"] = lambda: events(
+                    dev, lambda: self.layout.gather(ids_src_dev, unit.layers, dev_rows[:, HEADER_BYTES:]))
+            samples: dict[str, list[float]] = {k: [] for k in (*reads, *writes)}
+            evictions0 = None
+            for rep in range(reps):
+                if rep == args.warmup:
+                    evictions0 = pool.usage().evictions
+                # reads first: the loaded keys are then the most recently used and never evicted by the puts
+                for group in (reads, writes):
+                    names = list(group)
+                    k = rep % len(names)
+                    for op in names[k:] + names[:k]:  # rotate: no op always first
+                        t = group[op]()
+                        if rep >= args.warmup:
+                            samples[op].append(t)
+                        if op == "load" and rep == 0:  # before the scatter ceiling writes those blocks
+                            row["check"] = self._check(unit, src_ids, dst_ids)
+            row["evictions_timed"] = pool.usage().evictions - (evictions0 or 0)
+            row["pool_full"] = full
+        finally:
+            backend.close()
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        gbps = lambda nbytes, s: nbytes / s / 1e9  # noqa: E731
+        row.update({
+            "median_s": med, "samples_s": samples,
+            "save_GBps": gbps(n * payload, med["save"]), "load_GBps": gbps(n * payload, med["load"]),
+            "pool_get_GBps": gbps(batch, med["pool_get"]), "pool_put_GBps": gbps(batch, med["pool_put"]),
+            "host_memcpy_GBps": gbps(batch, med["host_memcpy"]), "memmove_1t_GBps": gbps(batch, med["memmove_1t"]),
+        })
+        if dev.type != "cpu":
+            row.update({
+                "h2d_GBps": gbps(batch, med["h2d"]), "d2h_GBps": gbps(batch, med["d2h"]),
+                "scatter_GBps": gbps(n * payload, med["scatter"]), "gather_GBps": gbps(n * payload, med["gather"]),
+                "load_stage_sum_s": med["pool_get"] + med["h2d"] + med["scatter"],
+                "save_stage_sum_s": med["gather"] + med["d2h"] + med["pool_put"],
+            })
+            row["load_over_h2d"] = row["load_GBps"] / row["h2d_GBps"]
+            row["save_over_d2h"] = row["save_GBps"] / row["d2h_GBps"]
+        print(f"  {case.unit_name} x {n}: load {row['load_GBps']:.2f} GB/s, save {row['save_GBps']:.2f} GB/s, "
+              f"check {row.get('check')}, evictions {row['evictions_timed']}", flush=True)
+        return row
+
+    def _check(self, unit: Unit, src: list[int], dst: list[int]) -> str:
+        """The first (warm-up) load put the saved blocks' bytes into the other block ids."""
+        s, d = torch.tensor(src, device=self.dev), torch.tensor(dst, device=self.dev)
+        for i in unit.layers:
+            t = self.caches[self.names[i]]
+            if not torch.equal(t.index_select(1, s).view(torch.int16), t.index_select(1, d).view(torch.int16)):
+                return f"FAILED at layer {i}"
+        return "ok"
+
+
+def _shm_free() -> int:
+    st = os.statvfs(host_pool.SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+# ---------------------------------------------------------------- output
+
+def fmt(row: dict, key: str, spec: str = ".2f") -> str:
+    v = row.get(key)
+    return "n/a" if v is None else format(v, spec)
+
+
+def print_markdown(head: list[str], body: list[list[str]]) -> None:
+    table = [head] + body
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    for i, r in enumerate(table):
+        print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+
+
+def print_tables(rows: list[dict]) -> None:
+    done = [r for r in rows if "skipped" not in r]
+    print_markdown(
+        ["case", "blocks", "MiB", "save GB/s", "load GB/s", "pool-only get GB/s", "pool-only put GB/s",
+         "pinned H2D GB/s", "pinned D2H GB/s", "host memcpy GB/s", "load/H2D"],
+        [[r["case"], str(r["blocks"]), f"{r['payload_bytes'] / MiB:g}", fmt(r, "save_GBps"), fmt(r, "load_GBps"),
+          fmt(r, "pool_get_GBps"), fmt(r, "pool_put_GBps"), fmt(r, "h2d_GBps"), fmt(r, "d2h_GBps"),
+          fmt(r, "host_memcpy_GBps"), fmt(r, "load_over_h2d", ".2f")] for r in done])
+    print("\nStages (median ms; load = pool get + H2D + scatter, save = gather + D2H + pool put, run one after "
+          "the other inside BlockIO)\n")
+    def ms(r: dict, k: str) -> str:
+        return "n/a" if k not in r["median_s"] else f"{r['median_s'][k] * 1e3:.2f}"
+
+    def sum_ms(r: dict, k: str) -> str:
+        return "n/a" if k not in r else f"{r[k] * 1e3:.2f}"
+
+    print_markdown(
+        ["case", "blocks", "load ms", "pool get", "H2D", "scatter", "sum", "save ms", "gather", "D2H", "pool put",
+         "sum", "1-thread memmove GB/s", "scatter GB/s", "gather GB/s", "pool full", "check"],
+        [[r["case"], str(r["blocks"]), ms(r, "load"), ms(r, "pool_get"), ms(r, "h2d"), ms(r, "scatter"),
+          sum_ms(r, "load_stage_sum_s"),
+          ms(r, "save"), ms(r, "gather"), ms(r, "d2h"), ms(r, "pool_put"),
+          sum_ms(r, "save_stage_sum_s"),
+          fmt(r, "memmove_1t_GBps"), fmt(r, "scatter_GBps"), fmt(r, "gather_GBps"),
+          "yes" if r["pool_full"] else "no", r["check"]] for r in done])
+    for r in rows:
+        if "skipped" in r:
+            print(f"\nskipped: {r['case']} x {r['blocks']}: {r['skipped']}")
+
+
+def conclusion(rows: list[dict]) -> str:
+    done = [r for r in rows if "skipped" not in r and "h2d_GBps" in r]
+    if not done:
+        return "No accelerator: the H2D/D2H ceilings (and so the bound) were not measured."
+    big = max((r for r in done if r["case"] == "whole block"), key=lambda r: r["blocks"], default=done[-1])
+    med = big["median_s"]
+
+    def bound(stages: dict[str, float]) -> str:
+        name = max(stages, key=stages.get)
+        total = sum(stages.values())
+        return f"{name} ({stages[name] * 1e3:.1f} of {total * 1e3:.1f} ms of its stages)"
+
+    load_b = bound({"pool memcpy": med["pool_get"], "PCIe H2D": med["h2d"], "device scatter": med["scatter"]})
+    save_b = bound({"pool memcpy": med["pool_put"], "PCIe D2H": med["d2h"], "device gather": med["gather"]})
+    return (f"Bound ({big['case']} x {big['blocks']}): load by {load_b}, save by {save_b}; the stages run "
+            f"serially, load reaches {big['load_over_h2d']:.0%} of pinned H2D ({big['load_GBps']:.1f} of "
+            f"{big['h2d_GBps']:.1f} GB/s), save {big['save_over_d2h']:.0%} of pinned D2H "
+            f"({big['save_GBps']:.1f} of {big['d2h_GBps']:.1f} GB/s).")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto", help="auto (the current accelerator, else cpu), cuda, cpu, ...")
+    parser.add_argument("--quick", action="store_true", help="tiny model and batches (a CPU smoke test)")
+    parser.add_argument("--blocks", default="64,256", help="batch sizes (blocks per call)")
+    parser.add_argument("--layer", type=int, default=0, help="the layer of the one-layer unit")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--pool-gib", type=float, default=4.0, help="largest pool (in /dev/shm) per case")
+    parser.add_argument("--shm-dir", type=Path, default=None,
+                        help=f"put the pool in this tmpfs instead of {host_pool.SHM_DIR} (where that one is small)")
+    parser.add_argument("--json", type=Path, default=RESULTS, help=f"results JSON (default {RESULTS})")
+    args = parser.parse_args()
+    dev = resolve(args.device)
+    if args.shm_dir is not None:
+        host_pool.SHM_DIR = args.shm_dir  # read at call time by every pool path, lock and space check
+    m = TINY if args.quick else LLAMA3_8B
+    if args.quick:
+        args.blocks, args.repeats, args.warmup = "8,32", min(args.repeats, 3), 1
+    sizes = [int(b) for b in args.blocks.split(",") if b]
+    started = time.perf_counter()
+    print(f"{m.name} on {describe(dev)}, torch {torch.__version__}; {host_pool.SHM_DIR} free "
+          f"{_shm_free() / GiB:.1f} GiB; torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs", flush=True)
+    bench = Bench(dev, m, max(sizes), args)
+    rows = [bench.run(Case(u, n)) for u in ("whole block", "one layer") for n in sizes]
+    elapsed = time.perf_counter() - started
+    print(f"\nBlockIO + LocalBackend, {m.name} ({m.layers} layers, K and V planes of {m.plane_bytes // KiB} KiB per "
+          f"block per layer; one-layer unit: layer {args.layer}), {describe(dev)}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}; median of {args.repeats} after {args.warmup} warm-up; GB/s = 1e9 B/s; "
+          "save/load on payload bytes, ceilings on the bytes they copy (payload + 64-byte headers)\n")
+    print_tables(rows)
+    line = conclusion(rows)
+    print("\n" + line)
+    out = {"script": "block_io_device", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
+           "device": describe(dev), "torch": torch.__version__, "model": asdict(m), "elapsed_s": elapsed,
+           "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+           "args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows, "conclusion": line}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=1, default=str))
+    print(f"\nwrote {args.json} ({elapsed:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
