@@ -27,6 +27,10 @@ setup(
         "memcache": ["memcache-hybrid==1.3.0", "memfabric-hybrid==1.3.0"],
         "test": ["pytest", "openai", "requests"],
     },
-    entry_points={"console_scripts": ["vllm-aio = vllm_aio.cli:main"]},
+    entry_points={
+        "console_scripts": ["vllm-aio = vllm_aio.cli:main"],
+        # Lets dynamic_buffer_layers re-plan vLLM's KV cache (a no-op otherwise).
+        "vllm.general_plugins": ["vllm_aio_buffer_plan = vllm_aio.buffer_plan:register"],
+    },
     classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],
 )

@@ -82,7 +82,9 @@ class Engine:
                     proc.wait()
         self.last_log = log_path.read_text()
         assert proc.returncode == 0, f"engine failed ({log_path}):\n{self.last_log[-4000:]}"
-        return json.loads(result_path.read_text())["rounds"]
+        result = json.loads(result_path.read_text())
+        self.last_preemptions = result["preemptions"]
+        return result["rounds"]
 
 
 def _drive(proc: subprocess.Popen, handshake: Path, between_rounds, num_rounds: int, deadline: float) -> None:
@@ -164,6 +166,14 @@ def tiny_1kv_model() -> Path:
     from vllm_aio.devtools.tiny_model import PRESETS, ensure_model
 
     return ensure_model(ROOT / "models" / "tiny_1kv", PRESETS["tiny_1kv"])
+
+
+@pytest.fixture(scope="session")
+def tiny6_model() -> Path:
+    require("vllm")
+    from vllm_aio.devtools.tiny_model import PRESETS, ensure_model
+
+    return ensure_model(ROOT / "models" / "tiny6", PRESETS["tiny6"])
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,8 @@ def run(spec: dict) -> dict:
         distributed_executor_backend="mp",
         attention_backend=spec.get("attention_backend"),
         kv_transfer_config=spec.get("kv_transfer_config"),
+        num_gpu_blocks_override=spec.get("num_gpu_blocks_override"),
+        disable_log_stats=False,
         seed=0,
     )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0, logprobs=0)
@@ -44,7 +46,11 @@ def run(spec: dict) -> dict:
             _handshake(Path(spec["handshake_dir"]), i)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
         rounds.append([_result(o) for o in outputs])
-    return {"rounds": rounds}
+    return {"rounds": rounds, "preemptions": _counter(llm, "vllm:num_preemptions")}
+
+
+def _counter(llm, name: str) -> int:
+    return int(sum(m.value for m in llm.get_metrics() if m.name == name))
 
 
 def _handshake(directory: Path, round_index: int) -> None:

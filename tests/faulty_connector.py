@@ -12,6 +12,8 @@ Segments of a load are ``[header, payload...]`` (host KV cache).
 - ``silent_garbage``: the 3rd block is filled with garbage but reported OK:
   a negative control proving the tests notice wrong KV.
 - ``pool_down``: every backend call raises.
+- ``skip_buffer_load``: the dynamic buffer never loads layer 3 (a negative
+  control: attention then reads another layer's KV).
 """
 
 from __future__ import annotations
@@ -66,3 +68,10 @@ class FaultyAioConnector(AioConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         half = self._worker or self._scheduler
         half._backend = _FaultyBackend(half._backend, os.environ["AIO_FAULT"])
+
+    def register_kv_caches(self, kv_caches):
+        super().register_kv_caches(kv_caches)
+        buffer = self._worker._buffer
+        if os.environ["AIO_FAULT"] == "skip_buffer_load" and buffer is not None:
+            load = buffer._load
+            buffer._load = lambda layer: None if layer == 3 else load(layer)

@@ -63,6 +63,11 @@ class AioConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         self._worker.register_kv_caches(kv_caches, self._num_blocks)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.begin_step(self._meta())
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         self._worker.start_load_kv(self._meta())
 

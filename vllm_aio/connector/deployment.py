@@ -30,6 +30,7 @@ class Deployment:
     layer_names: tuple[str, ...]
     layerwise: bool  # one value per (block, layer) instead of per block
     load_async: bool  # loads finish before the request is scheduled
+    buffer_layers: int  # device layer buffers of the dynamic buffer; 0: off
     value_bytes: int  # one stored value: header + one rank's block of one or all layers
     load_enabled: bool
     save_enabled: bool
@@ -94,6 +95,7 @@ def build_deployment(
         layer_names=layers,
         layerwise=cfg.use_layerwise,
         load_async=cfg.load_async,
+        buffer_layers=cfg.dynamic_buffer_layers,
         value_bytes=HEADER_BYTES + spec.page_size_bytes * (1 if cfg.use_layerwise else len(layers)),
         load_enabled=role == "kv_both" or (role == "kv_consumer" and cfg.consumer_is_to_load),
         save_enabled=role in ("kv_both", "kv_producer")

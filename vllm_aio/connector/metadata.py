@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from vllm_aio.connector.layer_buffer import BufferStep
+
 
 @dataclass
 class BlockTransfer:
@@ -30,3 +32,4 @@ class AioConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     lookups: LookupCounts = field(default_factory=LookupCounts)
+    buffer: BufferStep | None = None  # with dynamic_buffer_layers

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from vllm_aio.backends import Backend
 from vllm_aio.connector.deployment import Deployment
+from vllm_aio.connector.layer_buffer import BufferStep
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, LookupCounts
 from vllm_aio.log import get_logger
 from vllm_aio.pool.keys import block_key
@@ -128,11 +129,12 @@ class AioScheduler:
             self._trackers.pop(req_id, None)
         meta = AioConnectorMetadata(loads=self._pending_loads, lookups=self._lookups)
         self._pending_loads, self._lookups = [], LookupCounts()
+        scheduled: list[tuple[_Tracker, int]] = []  # with their computed tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracker = self._trackers[new.req_id]
             tracker.block_ids = list(new.block_ids[0])
             tracker.num_saved_blocks = 0
-            self._plan_save(meta, tracker, new.num_computed_tokens, scheduler_output)
+            scheduled.append((tracker, new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracker = self._trackers[req_id]
@@ -142,8 +144,33 @@ class AioScheduler:
                 tracker.num_saved_blocks = 0
             elif new_ids:
                 tracker.block_ids.extend(new_ids[0])
-            self._plan_save(meta, tracker, cached.num_computed_tokens[i], scheduler_output)
+            scheduled.append((tracker, cached.num_computed_tokens[i]))
+        for tracker, computed in scheduled:
+            self._plan_save(meta, tracker, computed, scheduler_output)
+        if self._dep.buffer_layers:
+            meta.buffer = self._buffer_step(scheduled, scheduler_output)
         return meta
+
+    def _buffer_step(
+        self, scheduled: list[tuple[_Tracker, int]], scheduler_output: "SchedulerOutput"
+    ) -> BufferStep:
+        """The blocks the dynamic buffer streams through the device this step.
+
+        The one decision point for residency: every scheduled request streams
+        all its blocks through the S buffers. A policy keeping some requests
+        resident in every layer (the design note gives that to high-priority
+        requests) would change the set chosen here and the KV cache plan.
+        """
+        step = BufferStep(
+            zeroed=list(scheduler_output.new_block_ids_to_zero or []),
+            copies=[(c.src_block_id, c.dst_block_id) for c in scheduler_output.kv_cache_block_copies or []],
+        )
+        bs = self._dep.block_size
+        for tracker, computed in scheduled:
+            end = -(-(computed + scheduler_output.num_scheduled_tokens[tracker.request.request_id]) // bs)
+            step.resident.extend(tracker.block_ids[:end])
+            step.written.extend(tracker.block_ids[computed // bs : end])
+        return step
 
     def _plan_save(
         self,

@@ -41,6 +41,7 @@ from vllm_aio.config import AioConfig
 from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.connector.deployment import Deployment
+from vllm_aio.connector.layer_buffer import LayerBuffer
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer
 from vllm_aio.connector.staging import StagingBuffer
 from vllm_aio.connector.stats import AioConnectorStats
@@ -83,6 +84,8 @@ class AioWorker:
         # The first rank speaks for the scheduler, so TP does not multiply lookups.
         self._reports_lookups = not (t.tp_rank or t.pp_rank or t.pcp_rank or t.dcp_rank)
         self._io: BlockIO | None = None
+        self._buffer: LayerBuffer | None = None  # with dynamic_buffer_layers
+        self._layer_index = {name: i for i, name in enumerate(deployment.layer_names)}
         self._recv = TransferThread("vllm_aio-recv")
         self._send = TransferThread("vllm_aio-send")
         # This step's state, reset by start_load_kv (forward thread only).
@@ -100,6 +103,19 @@ class AioWorker:
         self.stats = AioConnectorStats()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        if self._dep.buffer_layers:
+            # The pool moves blocks to and from the buffer's host copy of every layer.
+            self._buffer = LayerBuffer(
+                kv_caches, self._dep.layer_names, num_blocks, self._dep.buffer_layers, self._cfg.staging_buffer_size
+            )
+            kv_caches = self._buffer.host_caches
+            logger.info(
+                "vllm_aio: dynamic buffer: %d layers on %d device buffers; host copy of every layer %.2f GiB%s",
+                len(self._dep.layer_names),
+                self._dep.buffer_layers,
+                self._buffer.host_bytes / 2**30,
+                "" if self._buffer.device.is_host else " (page-locked)",
+            )
         layout = BlockLayout(kv_caches, self._dep.layer_names, num_blocks)
         device = Device(layout.device)
         load_staging = StagingBuffer(device, self._cfg.staging_buffer_size)
@@ -123,7 +139,22 @@ class AioWorker:
             self._backend.register_memory(address, size)
 
     # ---- loads -------------------------------------------------------------
+    def begin_step(self, meta: AioConnectorMetadata) -> None:
+        """Before every forward (vLLM binds the metadata), unlike ``start_load_kv``.
+
+        The dynamic buffer must fill its first layers before every step, and
+        blocks loaded from the pool must reach its host copy before that.
+        """
+        if self._buffer is None or meta.buffer is None:
+            return
+        self._start_loads(meta)
+        self._buffer.begin_step(meta.buffer)
+
     def start_load_kv(self, meta: AioConnectorMetadata) -> None:
+        if self._buffer is None:  # with the buffer, begin_step started them
+            self._start_loads(meta)
+
+    def _start_loads(self, meta: AioConnectorMetadata) -> None:
         if self._stalled:  # late copies of a timed-out step must not race this one
             self._recv.drain()
             self._stalled = False
@@ -259,6 +290,10 @@ class AioWorker:
 
     # ---- saves -------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, meta: AioConnectorMetadata) -> None:
+        if self._buffer is not None and meta.buffer is not None and layer_name in self._layer_index:
+            layer = self._layer_index[layer_name]
+            self._buffer.layer_done(layer)
+            self._buffer.before_layer(layer + 1)
         unit = self._unit_of_layer.get(layer_name)
         if unit is None or not meta.saves:
             return
@@ -273,6 +308,8 @@ class AioWorker:
             self._submit_save(batch, (yield))
 
     def wait_for_save(self, meta: AioConnectorMetadata) -> None:
+        if self._buffer is not None and meta.buffer is not None:
+            self._buffer.end_step()  # saves read the host copy
         if meta.saves and not self._dep.layerwise:
             self._submit_save(self._save_batch(meta.saves), self._units[0])
         deadline = time.monotonic() + self._cfg.transfer_timeout

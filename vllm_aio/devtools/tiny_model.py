@@ -66,6 +66,8 @@ PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(),
     # One KV head: under TP every rank holds the same KV (stored once).
     "tiny_1kv": ModelSpec(num_kv_heads=1),
+    # Six layers: enough for the dynamic buffer (layers time-sharing 2 buffers) to matter.
+    "tiny6": ModelSpec(num_layers=6),
     # MLA: one latent per token shared by every head, so TP ranks hold identical KV.
     # A larger init widens greedy margins: a warm request's last tokens take MLA's
     # context path, which rounds differently, and at 0.08 that flipped a near tie.
