@@ -211,3 +211,35 @@ def test_config_is_immutable():
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [("use_layerwise", "yes"), ("layerwise_prefetch_layers", 1.5), ("load_async", 1),
+     ("transfer_timeout", "10s"), ("dynamic_buffer_layers", True), ("staging_buffer_size", "lots")],
+)
+def test_wrong_type_of_a_transfer_key_fails_naming_it(key, value):
+    with pytest.raises(ConfigError, match=key):
+        parse_extra_config({key: value}, environ={})
+
+
+def test_layerwise_and_async_loads_exclude_each_other():
+    with pytest.raises(ConfigError, match="use_layerwise, load_async"):
+        parse_extra_config({"use_layerwise": True, "load_async": True}, environ={})
+
+
+@pytest.mark.parametrize("value", [1, -2])
+def test_dynamic_buffer_layers_accepts_zero_or_two_and_more(value):
+    with pytest.raises(ConfigError, match=r"dynamic_buffer_layers: expected 0 \(off\) or an integer >= 2"):
+        parse_extra_config({"dynamic_buffer_layers": value}, environ={})
+
+
+def test_dynamic_buffer_with_layerwise_values_is_refused():
+    with pytest.raises(ConfigError, match="dynamic_buffer_layers, use_layerwise"):
+        parse_extra_config({"dynamic_buffer_layers": 2, "use_layerwise": True}, environ={})
+
+
+def test_transfer_timeout_must_be_positive_seconds():
+    with pytest.raises(ConfigError, match="transfer_timeout"):
+        parse_extra_config({"transfer_timeout": 0}, environ={})
+    assert parse_extra_config({"transfer_timeout": 2}, environ={}).transfer_timeout == 2.0

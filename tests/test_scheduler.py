@@ -59,13 +59,13 @@ class Req:
 
 def deployment(
     tp: int = 1, load: bool = True, save: bool = True, decode: bool = False, heads: int = 8,
-    layerwise: bool = False, load_async: bool = False,
+    layerwise: bool = False, load_async: bool = False, buffer_layers: int = 0,
 ) -> Deployment:
     ns = Namespace("m", "bf16", "auto", BS, "LBHNC", "amx", tp, 1, 1, 1, 0, "")
     return Deployment(
         namespace=ns, block_size=BS, layer_names=("l0", "l1"), layerwise=layerwise, load_async=load_async,
         value_bytes=64, load_enabled=load, save_enabled=save, save_decode_cache=decode, pool_name="p",
-        num_kv_heads=heads, use_mla=False,
+        num_kv_heads=heads, use_mla=False, buffer_layers=buffer_layers,
     )
 
 
@@ -83,7 +83,7 @@ def blocks(ids):
     return SimpleNamespace(get_block_ids=lambda: (list(ids),))
 
 
-def step(new=(), cached=(), scheduled=None, finished=()):
+def step(new=(), cached=(), scheduled=None, finished=(), **extra):
     """A SchedulerOutput stand-in: new=(req_id, block_ids, num_computed), cached=(req_id, new_ids, num_computed, resumed)."""
     return SimpleNamespace(
         finished_req_ids=set(finished),
@@ -95,6 +95,8 @@ def step(new=(), cached=(), scheduled=None, finished=()):
             resumed_req_ids={c[0] for c in cached if c[3]},
         ),
         num_scheduled_tokens=scheduled or {},
+        new_block_ids_to_zero=extra.get("zero"),
+        kv_cache_block_copies=extra.get("copies"),
     )
 
 
@@ -252,3 +254,59 @@ def test_transfers_carry_the_request_position_of_their_first_block():
     sched.build_connector_meta(step(new=[("a", [7, 8, 9], 0)], scheduled={"a": 10}))
     meta = sched.build_connector_meta(step(cached=[("a", [10], 10, False)], scheduled={"a": 8}))
     assert meta.saves[0].first_index == 2
+
+
+def test_layerwise_hit_needs_every_layer_of_a_block():
+    backend, dep = DictBackend(), deployment(layerwise=True)
+    req = Req("a", 20)
+    for h in req.block_hashes[:4]:
+        for layer in (0, 1):
+            backend.keys.add(block_key(dep.namespace.digest(), "pp0.dcp0.h0", h, layer))
+    backend.keys.remove(block_key(dep.namespace.digest(), "pp0.dcp0.h0", req.block_hashes[2], 1))
+    assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (8, False)
+
+
+def test_async_loads_are_announced_as_asynchronous():
+    backend, dep = DictBackend(), deployment(load_async=True)
+    req = Req("a", 20)
+    store(backend, dep, req, 4)
+    assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (16, True)
+
+
+def test_blocks_loaded_from_the_pool_are_not_saved_again():
+    backend, dep = DictBackend(), deployment()
+    req = Req("a", 22)
+    store(backend, dep, req, 4)
+    sched = AioScheduler(dep, backend)
+    n, _ = sched.get_num_new_matched_tokens(req, 4)  # block 0 from vLLM's own cache
+    sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), n)
+    meta = sched.build_connector_meta(step(new=[("a", [10, 11, 12, 13, 14, 15], 16)], scheduled={"a": 6}))
+    assert [s.block_ids for s in meta.saves] == [[10], [14]]
+
+
+def test_readmitted_request_is_not_counted_as_a_second_miss():
+    sched = AioScheduler(deployment(), DictBackend())
+    req = Req("a", 20)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5]), 0)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5]), 0)  # e.g. after its async load
+    assert sched.build_connector_meta(step()).lookups.miss_tokens == 20
+
+
+def test_buffer_step_names_every_block_read_and_every_block_written():
+    sched = AioScheduler(deployment(buffer_layers=2), DictBackend())
+    a, b = Req("a", 18), Req("b", 9)
+    sched.update_state_after_alloc(a, blocks([7, 8, 9]), 0)
+    sched.update_state_after_alloc(b, blocks([3, 4, 5]), 0)
+    sched.build_connector_meta(step(new=[("a", [7, 8, 9], 0)], scheduled={"a": 10}))
+    meta = sched.build_connector_meta(
+        step(new=[("b", [3, 4, 5], 0)], cached=[("a", [10, 11], 10, False)], scheduled={"a": 8, "b": 9},
+             zero=[5], copies=[SimpleNamespace(src_block_id=4, dst_block_id=6)])
+    )
+    assert sorted(meta.buffer.resident) == [3, 4, 5, 7, 8, 9, 10, 11]
+    assert sorted(meta.buffer.written) == [3, 4, 5, 9, 10, 11]  # a: tokens 10..17, blocks 2-4 of 4 tokens
+    assert (meta.buffer.zeroed, meta.buffer.copies) == ([5], [(4, 6)])
+
+
+def test_without_the_buffer_no_buffer_step_is_sent():
+    sched = AioScheduler(deployment(), DictBackend())
+    assert sched.build_connector_meta(step()).buffer is None

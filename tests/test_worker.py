@@ -54,7 +54,7 @@ def deployment(cfg: AioConfig, tp_size: int = 1, heads: int = 4, salt: str = "")
     return Deployment(
         namespace=ns, block_size=8, layer_names=LAYERS, layerwise=cfg.use_layerwise, load_async=cfg.load_async,
         value_bytes=HEADER_BYTES + PAGE_BYTES * layers, load_enabled=True, save_enabled=True,
-        save_decode_cache=False, pool_name="p", num_kv_heads=heads, use_mla=False,
+        save_decode_cache=False, pool_name="p", num_kv_heads=heads, use_mla=False, buffer_layers=0,
     )
 
 

@@ -1,0 +1,82 @@
+"""``vllm_aio.buffer_plan``: vLLM's KV cache plan re-laid for the dynamic buffer (real vLLM types)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import require
+from vllm_aio.config import ConfigError
+
+
+@pytest.fixture(scope="module")
+def kv():
+    require("vllm")
+    from vllm.v1 import kv_cache_interface
+
+    return kv_cache_interface
+
+
+def _config(kv, layers: int, num_blocks: int = 10, page: int = 4096):
+    spec = kv.FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    names = [f"layer.{i}" for i in range(layers)]
+    tensor = kv.KVCacheTensor(size=layers * num_blocks * page, layers=names, layer_stride=num_blocks * page,
+                              block_stride=page)
+    return kv.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
+                            kv_cache_groups=[kv.KVCacheGroupSpec(names, spec)])
+
+
+def test_layers_are_placed_round_robin_on_the_buffers(kv):
+    from vllm_aio.buffer_plan import alias_layers
+
+    planned = alias_layers(_config(kv, layers=5), buffers=2)
+    region = 10 * 4096
+    assert [(t.layers, t.offset) for t in planned.kv_cache_tensors] == [
+        (["layer.0"], 0), (["layer.1"], region), (["layer.2"], 0), (["layer.3"], region), (["layer.4"], 0),
+    ]
+    assert {t.size for t in planned.kv_cache_tensors} == {2 * region}  # one backing allocation
+
+
+def test_block_outermost_layout_is_refused(kv):
+    from vllm_aio.buffer_plan import alias_layers
+
+    config = _config(kv, layers=4)
+    (t,) = config.kv_cache_tensors
+    config.kv_cache_tensors = [kv.KVCacheTensor(size=t.size, layers=t.layers, layer_stride=4096,
+                                                block_stride=4 * 4096)]
+    with pytest.raises(ConfigError, match="layer-outermost"):
+        alias_layers(config, 2)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"speculative_config": object()}, "speculative decoding"),
+        ({"parallel_config": SimpleNamespace(enable_dbo=True)}, "micro-batching"),
+        ({"compilation_config": SimpleNamespace(cudagraph_mode=SimpleNamespace(
+            name="FULL", has_full_cudagraphs=lambda: True))}, "cudagraph_mode FULL"),
+    ],
+)
+def test_features_that_break_the_layer_order_are_refused(change, message):
+    from vllm_aio.buffer_plan import refuse_unsupported
+
+    config = {
+        "compilation_config": SimpleNamespace(cudagraph_mode=None),
+        "speculative_config": None,
+        "parallel_config": SimpleNamespace(enable_dbo=False),
+    }
+    with pytest.raises(ConfigError, match=message):
+        refuse_unsupported(SimpleNamespace(**{**config, **change}))
+
+
+def test_other_connectors_leave_the_plan_alone():
+    from vllm_aio.buffer_plan import dynamic_buffer_layers
+
+    other = SimpleNamespace(kv_connector_module_path=None, kv_connector_extra_config={"dynamic_buffer_layers": 2})
+    ours = SimpleNamespace(kv_connector_module_path="vllm_aio.connector",
+                           kv_connector_extra_config={"dynamic_buffer_layers": 2})
+    assert dynamic_buffer_layers(SimpleNamespace(kv_transfer_config=other)) == 0
+    assert dynamic_buffer_layers(SimpleNamespace(kv_transfer_config=ours)) == 2
+    assert dynamic_buffer_layers(SimpleNamespace(kv_transfer_config=None)) == 0
