@@ -10,6 +10,7 @@ cleaned up when it exits. Input and output are JSON files.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,9 @@ from pathlib import Path
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    if spec.get("kv_cache_memory_bytes"):  # vLLM's CPU build lets the GiB variable win
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
     llm = LLM(
         spec["model"],
@@ -36,6 +40,7 @@ def run(spec: dict) -> dict:
         attention_backend=spec.get("attention_backend"),
         kv_transfer_config=spec.get("kv_transfer_config"),
         num_gpu_blocks_override=spec.get("num_gpu_blocks_override"),
+        kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes"),
         disable_log_stats=False,
         seed=0,
     )

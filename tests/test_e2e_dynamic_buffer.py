@@ -1,8 +1,10 @@
 """End to end on real vLLM (CPU build): the dynamic layer buffer.
 
 A six-layer model runs on two device layer buffers (``dynamic_buffer_layers:
-2``). The reference is a normal run with exactly as many KV blocks
-(``num_gpu_blocks_override``), so both engines schedule identically: same
+2``) in KV memory that holds 15 blocks of all six layers: a normal engine fits
+one of the four requests at a time, the buffered one plans 45 blocks and runs
+them together. The reference is a normal run given as many blocks as the
+buffered one (``num_gpu_blocks_override``), so both schedule identically: same
 chunked prefills, prefix-cache hits and preemptions. Every engine runs its
 core in-process with four requests at a time, so batches do not depend on
 timing.
@@ -16,7 +18,9 @@ import pytest
 
 from conftest import Engine, aio_config, assert_same_generation, make_prompts
 
-BLOCKS = 42  # the prompts take 40 blocks; decoding needs ~48: some requests are preempted
+PAGE = 6 * 16 << 10  # bytes of one block of all six layers (2 KV heads x 64 x 32 tokens, bf16, K and V)
+MEMORY = 15 * PAGE  # KV memory: 15 blocks normally, 45 with the buffer
+BLOCKS = 45  # the prompts take 40 blocks, decoding ~48: some requests are preempted
 PROMPTS = make_prompts(seed=61, lengths=[310, 300, 305, 290])
 # Round two repeats the last prompt: its blocks were freed last, so vLLM's
 # prefix cache (42 blocks, LRU) or the pool still holds them.
@@ -25,8 +29,8 @@ RUN = {
     "max_num_seqs": 4,
     "max_num_batched_tokens": 128,  # chunked prefill: every prompt takes several steps
     "enable_prefix_caching": True,
-    "num_gpu_blocks_override": BLOCKS,
-    "max_tokens": 48,
+    "kv_cache_memory_bytes": MEMORY,
+    "max_tokens": 64,
     "max_model_len": 400,
 }
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -36,16 +40,20 @@ def _buffer(**extra) -> dict:
     return aio_config(dynamic_buffer_layers=2, **extra)
 
 
-def _planned_blocks(log: str) -> int:
+def _normal_blocks(log: str) -> int:
     """The block count vLLM planned from memory, before the override."""
     return int(re.search(r"Overriding num_gpu_blocks=(\d+)", log).group(1))
+
+
+def _buffer_blocks(log: str) -> int:
+    return int(re.search(r"dynamic buffer: 6 layers on 2 device buffers, (\d+) blocks", log).group(1))
 
 
 @pytest.fixture(scope="module")
 def reference(tiny6_model, tmp_path_factory):
     engine = Engine(tiny6_model, tmp_path_factory.mktemp("reference"))
-    rounds = engine.run(ROUNDS, env=IN_PROCESS, **RUN)
-    return rounds, _planned_blocks(engine.last_log), engine.last_preemptions
+    rounds = engine.run(ROUNDS, env=IN_PROCESS, num_gpu_blocks_override=BLOCKS, **RUN)
+    return rounds, _normal_blocks(engine.last_log), engine.last_preemptions
 
 
 def test_two_buffers_give_three_times_the_blocks_and_the_same_output(tiny6_model, tmp_path, reference):
@@ -53,7 +61,8 @@ def test_two_buffers_give_three_times_the_blocks_and_the_same_output(tiny6_model
     engine = Engine(tiny6_model, tmp_path)
     first, second = engine.run(ROUNDS, _buffer(), env=IN_PROCESS, **RUN)
     # Same KV memory, 6 layers on 2 buffers: vLLM plans 3x the blocks.
-    assert _planned_blocks(engine.last_log) >= 0.9 * 3 * normal_blocks
+    assert _buffer_blocks(engine.last_log) == BLOCKS >= 0.9 * 3 * normal_blocks
+    assert normal_blocks * 32 < 2 * 300, "without the buffer two requests would not fit at once"
     assert engine.last_preemptions == normal_preemptions > 0
     assert second[0]["cached"] > 0, "the second round should hit vLLM's prefix cache"
     assert_same_generation(first, rounds[0])
