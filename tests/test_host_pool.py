@@ -57,7 +57,7 @@ def store(pool: SharedHostPool, key: str, data: bytes) -> bool | None:
     if slot < 0:
         return False
     ctypes.memmove(pool.slot_address(slot), data, len(data))
-    [won] = pool.commit([key], [slot])
+    [won] = pool.commit([slot])
     return won
 
 
@@ -168,12 +168,69 @@ def test_second_commit_of_same_key_loses_and_frees_its_slot(name):
         [s1] = pool.reserve(["a"])
         [s2] = pool.reserve(["a"])  # a second writer before the first commits
         assert s1 != s2
-        assert pool.commit(["a"], [s1]) == [True]
-        assert pool.commit(["a"], [s2]) == [False]
+        assert pool.commit([s1]) == [True]
+        assert pool.commit([s2]) == [False]
         assert pool.usage().num_ready == 1
         for i in range(3):  # the three other slots, the lost one included
             assert store(pool, f"k{i}", value(str(i))) is True
         assert pool.usage().evictions == 0
+    finally:
+        pool.close()
+
+
+def test_commit_publishes_each_slot_under_the_key_reserve_recorded(name):
+    pool = SharedHostPool(name, SLOT, 4)
+    try:
+        slots = pool.reserve(["a", "b", "c"])
+        for key, slot in zip("abc", slots):
+            ctypes.memmove(pool.slot_address(slot), value(key), SLOT)
+        assert pool.commit([slots[2], slots[0]]) == [True, True]  # any subset, any order
+        assert pool.contains(["a", "b", "c"]) == [True, False, True]
+        assert load(pool, "a") == value("a") and load(pool, "c") == value("c")
+        pool.abandon([slots[1]])
+    finally:
+        pool.close()
+
+
+def test_a_put_hashes_each_key_once(name, monkeypatch):
+    pool = SharedHostPool(name, SLOT, 8)
+    hashed: list[str] = []
+    real_key_id = host_pool._key_id
+
+    def counting_key_id(key: str) -> tuple[int, int]:
+        hashed.append(key)
+        return real_key_id(key)
+
+    monkeypatch.setattr(host_pool, "_key_id", counting_key_id)
+    try:
+        keys = [f"k{i}" for i in range(5)]
+        assert pool.commit(pool.reserve(keys)) == [True] * 5
+        assert sorted(hashed) == keys
+    finally:
+        pool.close()
+
+
+def test_commit_counts_ready_slots_and_ticks_lru_in_batch_order(name):
+    pool = SharedHostPool(name, SLOT, 3)
+    try:
+        assert pool.commit(pool.reserve(["a", "b", "c"])) == [True] * 3
+        assert pool.usage().num_ready == 3
+        assert store(pool, "d", value("d")) is True  # evicts the first committed: "a"
+        assert pool.contains(["a", "b", "c", "d"]) == [False, True, True, True]
+    finally:
+        pool.close()
+
+
+def test_evicted_slots_are_handed_out_in_slot_order(name):
+    pool = SharedHostPool(name, SLOT, 4)
+    try:
+        for key in "abcd":  # slots 0..3
+            assert store(pool, key, value(key)) is True
+        pool.contains(["c", "a", "d", "b"])  # LRU order: slots 2, 0, 3, 1
+        slots = pool.reserve(["w", "x", "y"])  # evicts c, a, d
+        assert slots == [0, 2, 3]  # back to back where possible, so copies merge
+        assert pool.contains(["a", "b", "c", "d"]) == [False, True, False, False]
+        pool.abandon(slots)
     finally:
         pool.close()
 

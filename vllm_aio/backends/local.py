@@ -5,6 +5,10 @@ process (scheduler) and every worker process map (see ``pool/host_pool.py``
 for the mechanism and its cost). Instances on one host share a pool by giving
 it the same ``local_pool_name``; otherwise its name is the instance's engine id
 and it is sealed (unlinked) once the last of its processes has attached.
+
+A batch's copies run together after one index operation (``reserve`` or
+``pin_for_read``) and before the next (``commit`` or the version checks), so
+a large batch is copied by several threads (``segments.copy_all``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vllm_aio.backends.base import Backend, Segment, Status
-from vllm_aio.backends.segments import gather, scatter, total
+from vllm_aio.backends.segments import CopyBatch, copy_all, total
 from vllm_aio.pool.host_pool import SharedHostPool, slots_for
 
 
@@ -29,9 +33,10 @@ class LocalBackend(Backend):
         self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]
     ) -> list[Status]:
         out: list[Status] = []
-        filled: list[int] = []  # positions in `keys` copied into a reserved slot
-        slots = self.pool.reserve(keys)
-        for i, (segs, slot) in enumerate(zip(segments, slots)):
+        filled: list[int] = []  # slots copied into, published by commit
+        positions: list[int] = []  # their positions in `keys`
+        copies = CopyBatch()
+        for segs, slot in zip(segments, self.pool.reserve(keys)):
             if slot is None:
                 out.append(Status.EXISTS)
             elif slot < 0:
@@ -40,11 +45,16 @@ class LocalBackend(Backend):
                 self.pool.abandon([slot])
                 out.append(Status.ERROR)
             else:
-                gather(segs, self.pool.slot_address(slot))
-                filled.append(i)
+                copies.gather(segs, self.pool.slot_address(slot))
+                filled.append(slot)
+                positions.append(len(out))
                 out.append(Status.OK)
-        won = self.pool.commit([keys[i] for i in filled], [slots[i] for i in filled])
-        for i, stored in zip(filled, won):
+        try:
+            copy_all(copies)  # the whole batch at once: a large one is shared by several threads
+        except BaseException:
+            self.pool.abandon(filled)  # or the reserved slots stay WRITING, lost for good
+            raise
+        for i, stored in zip(positions, self.pool.commit(filled)):
             if not stored:  # another writer (or an earlier copy in this batch) got there first
                 out[i] = Status.EXISTS
         return out
@@ -53,6 +63,8 @@ class LocalBackend(Backend):
         self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]
     ) -> list[Status]:
         out: list[Status] = []
+        copied: list[tuple[int, int, int]] = []  # (position in `keys`, slot, version)
+        copies = CopyBatch()
         for segs, pinned in zip(segments, self.pool.pin_for_read(keys)):
             if pinned is None:
                 out.append(Status.MISSING)
@@ -60,10 +72,15 @@ class LocalBackend(Backend):
                 out.append(Status.CORRUPT)
             else:
                 slot, version = pinned
-                scatter(self.pool.slot_address(slot), segs)
-                # Evicted and rewritten while we copied: the bytes are torn.
-                ok = self.pool.still_valid(slot, version)
-                out.append(Status.OK if ok else Status.CORRUPT)
+                copies.scatter(self.pool.slot_address(slot), segs)
+                copied.append((len(out), slot, version))
+                out.append(Status.OK)
+        copy_all(copies)
+        # Checked once every copy is done: a slot evicted and rewritten at any
+        # time since its pin, during its copy included, shows a new version.
+        for i, slot, version in copied:
+            if not self.pool.still_valid(slot, version):
+                out[i] = Status.CORRUPT  # the bytes copied may be torn
         return out
 
     def close(self) -> None:

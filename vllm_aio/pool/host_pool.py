@@ -336,7 +336,9 @@ class SharedHostPool:
         if not len(ready):
             return []
         count = min(count, len(ready))
-        victims = ready[np.argpartition(self._last_used[ready], count - 1)[:count]]
+        # In slot order: a batch's values then lie back to back where they can,
+        # and their copies merge (``segments.copy_all``).
+        victims = np.sort(ready[np.argpartition(self._last_used[ready], count - 1)[:count]])
         for slot in victims.tolist():
             bucket, found = self._find(int(self._key_hi[slot]), int(self._key_lo[slot]))
             assert found == slot
@@ -367,7 +369,11 @@ class SharedHostPool:
         return out
 
     def reserve(self, keys: Sequence[str]) -> list[int | None]:
-        """Per key: a WRITING slot to fill, or None if already stored; -1 if no room."""
+        """Per key: a WRITING slot to fill, or None if already stored; -1 if no room.
+
+        The slot records its key's id, so ``commit`` needs only the slot: a key
+        is hashed once per put.
+        """
         ids = [_key_id(k) for k in keys]
         result: list[int | None] = []
         with self._locked():
@@ -385,22 +391,32 @@ class SharedHostPool:
                 result[i] = slot
         return result
 
-    def commit(self, keys: Sequence[str], slots: Sequence[int]) -> list[bool]:
-        """Publish filled slots; False where another writer stored the key first."""
+    def commit(self, slots: Sequence[int]) -> list[bool]:
+        """Publish filled slots; False where another writer stored the key first.
+
+        Each slot's key is the one ``reserve`` recorded in it: a WRITING slot
+        is owned by its writer (no allocation or eviction touches it), so
+        its key id cannot have changed since.
+        """
         out = []
         with self._locked():
-            for key, slot in zip(keys, slots):
-                hi, lo = _key_id(key)
-                bucket, found = self._find(hi, lo)
+            key_hi, key_lo, state, last_used = self._key_hi, self._key_lo, self._state, self._last_used
+            clock = int(self._header[_H_CLOCK])
+            for slot in slots:
+                bucket, found = self._find(int(key_hi[slot]), int(key_lo[slot]))
                 if found >= 0:
-                    self._state[slot] = FREE
+                    state[slot] = FREE
                     out.append(False)
                     continue
                 self._table[bucket] = slot
-                self._state[slot] = READY
-                self._last_used[slot] = self._tick()
-                self._header[_H_NUM_READY] += 1
+                state[slot] = READY
+                clock += 1  # one tick per published key, in order, as _tick would
+                last_used[slot] = clock
                 out.append(True)
+            # Written once per batch: read-modify-write of header fields is
+            # the dearest numpy scalar operation.
+            self._header[_H_CLOCK] = clock
+            self._header[_H_NUM_READY] += sum(out)
         return out
 
     def abandon(self, slots: Sequence[int]) -> None:
