@@ -109,3 +109,19 @@ def test_save_without_staging_space_is_skipped_not_blocked():
     handoff = CopyHandoff()
     assert saver.save(refs([1]), EVERY_LAYER, None, handoff) == [Status.NO_SPACE]
     assert handoff.wait(0)
+
+
+def test_batches_split_into_chunks_keep_every_block_and_every_status(device_and_shape, monkeypatch):
+    from vllm_aio.connector import block_io
+
+    monkeypatch.setattr(block_io, "_CHUNK_BYTES", 1)  # one value per chunk
+    device, shape = device_and_shape
+    saver, src, backend = make_io(device, shape, None, seed=1)
+    assert saver.save(refs([3, 7, 1, 2]), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK] * 4
+    loader, dst, _ = make_io(device, shape, backend, seed=2)
+    wanted = refs([0, 5, 9, 11])
+    wanted[2] = BlockRef(9, b"never stored")  # a hole in the middle of the batch
+    assert loader.load(wanted, EVERY_LAYER) == [Status.OK, Status.OK, Status.MISSING, Status.OK]
+    blocks = (lambda t, ids: t[ids] if len(shape) == 4 else t[:, ids])
+    for n in LAYERS:
+        assert torch.equal(blocks(dst[n], [0, 5, 11]), blocks(src[n], [3, 7, 2]))

@@ -38,6 +38,9 @@ from vllm_aio.pool.keys import Unit, block_key
 
 logger = get_logger(__name__)
 
+# Bytes per pipelined piece of a batch on accelerators (pool copy vs. PCIe copy).
+_CHUNK_BYTES = 64 << 20
+
 
 @dataclass(frozen=True)
 class BlockRef:
@@ -141,23 +144,41 @@ class BlockIO:
             return [Status.ERROR] * n
         try:
             rows = piece.tensor.view(n, value)
-            segments = [[(piece.address + i * value, value)] for i in range(n)]
-            statuses = self._backend.batch_get(self.keys(blocks, unit), segments)
-            statuses = _check_headers(rows[:, :HEADER_BYTES], self._headers(blocks, unit), statuses)
-            accepted = [i for i, s in enumerate(statuses) if s is Status.OK]
-            if accepted:
-                with self.device.on(self._stream):
-                    scratch = self.device.empty(n * value).view(n, value)
-                    scratch.copy_(rows, non_blocking=True)
-                    picked = self._on_device(accepted)
-                    ids = self._on_device([blocks[i].block_id for i in accepted])
-                    self._layout.scatter(scratch.index_select(0, picked)[:, HEADER_BYTES:], ids, unit.layers)
-                    done = self.device.record(self._stream)
-                # The staging slice is reused once the copy has read it.
-                self.device.synchronize(done)
+            keys, headers = self.keys(blocks, unit), self._headers(blocks, unit)
+            statuses: list[Status] = []
+            done = None
+            # Chunks pipeline the pool copy of chunk k+1 with chunk k's
+            # host-to-device copy and scatter on the transfer stream.
+            for start in range(0, n, self._chunk_rows(value)):
+                end = min(n, start + self._chunk_rows(value))
+                segments = [[(piece.address + i * value, value)] for i in range(start, end)]
+                got = self._backend.batch_get(keys[start:end], segments)
+                got = _check_headers(rows[start:end, :HEADER_BYTES], headers[start:end], got)
+                statuses += got
+                accepted = [start + i for i, s in enumerate(got) if s is Status.OK]
+                if accepted:
+                    done = self._to_device(rows, start, end, accepted, blocks, unit)
+            # The staging slice is reused once the copies have read it.
+            self.device.synchronize(done)
             return statuses
         finally:
             self._load_staging.release(piece)
+
+    def _to_device(
+        self, rows: torch.Tensor, start: int, end: int, accepted: list[int], blocks: Sequence[BlockRef], unit: Unit
+    ) -> torch.Event | None:
+        with self.device.on(self._stream):
+            scratch = self.device.empty(rows[start:end].numel()).view(end - start, -1)
+            scratch.copy_(rows[start:end], non_blocking=True)
+            if len(accepted) < end - start:
+                scratch = scratch.index_select(0, self._on_device([i - start for i in accepted]))
+            ids = self._on_device([blocks[i].block_id for i in accepted])
+            self._layout.scatter(scratch[:, HEADER_BYTES:], ids, unit.layers)
+            return self.device.record(self._stream)
+
+    @staticmethod
+    def _chunk_rows(value: int) -> int:
+        return max(1, _CHUNK_BYTES // value)
 
     # ---- saves -------------------------------------------------------------
     def save(
@@ -176,30 +197,52 @@ class BlockIO:
         try:
             rows = piece.tensor.view(n, value)
             try:
-                self._gather(blocks, unit, computed, rows)
+                copied = self._gather(blocks, unit, computed, rows)
             finally:
                 keep = handoff.copied()
             if not keep:
                 return [Status.ERROR] * n
+            keys = self.keys(blocks, unit)
             headers = bytearray(b"".join(self._headers(blocks, unit)))
-            rows[:, :HEADER_BYTES] = torch.frombuffer(headers, dtype=torch.uint8).view(n, HEADER_BYTES)
-            segments = [[(piece.address + i * value, value)] for i in range(n)]
-            return self._backend.batch_put(self.keys(blocks, unit), segments)
+            statuses: list[Status] = []
+            # Each chunk is put as soon as its device-to-host copy is done.
+            for (start, end), event in copied:
+                self.device.synchronize(event)
+                rows[start:end, :HEADER_BYTES] = torch.frombuffer(
+                    headers, dtype=torch.uint8, offset=start * HEADER_BYTES, count=(end - start) * HEADER_BYTES
+                ).view(end - start, HEADER_BYTES)
+                segments = [[(piece.address + i * value, value)] for i in range(start, end)]
+                statuses += self._backend.batch_put(keys[start:end], segments)
+            return statuses
         finally:
             self._save_staging.release(piece)
 
-    def _gather(self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, rows: torch.Tensor) -> None:
+    def _gather(
+        self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, rows: torch.Tensor
+    ) -> list[tuple[tuple[int, int], torch.Event | None]]:
+        """Copies the blocks out of the cache; returns row chunks with their copy events.
+
+        When this returns the cache blocks may be reused: on an accelerator they
+        were gathered into device scratch, which the chunked copies to host read.
+        """
+        n = len(blocks)
         ids = [b.block_id for b in blocks]
         if self.device.is_host:
             self._layout.gather(torch.tensor(ids), unit.layers, rows[:, HEADER_BYTES:])
-            return
+            return [((0, n), None)]
+        step = self._chunk_rows(rows.shape[1])
+        chunks = []
         with self.device.on(self._stream):
             self.device.wait(computed, self._stream)
             scratch = self.device.empty(rows.numel()).view(rows.shape)
             self._layout.gather(self._on_device(ids), unit.layers, scratch[:, HEADER_BYTES:])
-            rows.copy_(scratch, non_blocking=True)
-            done = self.device.record(self._stream)
-        self.device.synchronize(done)
+            gathered = self.device.record(self._stream)
+            for start in range(0, n, step):
+                end = min(n, start + step)
+                rows[start:end].copy_(scratch[start:end], non_blocking=True)
+                chunks.append(((start, end), self.device.record(self._stream)))
+        self.device.synchronize(gathered)
+        return chunks
 
     def _on_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self._layout.device, non_blocking=True)
