@@ -60,6 +60,55 @@ layer regions hold constants, buffers and write-back regions are zeroed, each
 layer records the mean of what it loaded and writes its constant as new KV;
 every loaded mean and every written-back block must equal the layer's constant.
 
+The connector's real code, in the same run (second table): ``vllm_aio S=<n>``
+drives ``vllm_aio.connector.layer_buffer.LayerBuffer`` around the same
+synthetic layer. The device cache is S aliased layer views of one backing
+tensor ``[S, blocks, 2, block_size, kv_heads, head_dim]`` (layer l is view
+l % S, as ``tests/test_layer_buffer.py`` builds it and vLLM's re-planned cache
+is); LayerBuffer allocates its own page-locked host copy of every layer
+(L x blocks x 64 KiB) and a staging ring of ``--real-staging-mib`` (2 GiB). Per
+step, exactly as the worker calls it: ``begin_step(BufferStep(resident,
+written))``, then for each layer l: the layer's KV write + compute,
+``layer_done(l)``, ``before_layer(l + 1)``; then ``end_step()``. The
+BufferStep is what the scheduler half sends (``scheduler._buffer_step``):
+``resident`` = every block of every request up to the step's last token,
+``written`` = the step's new blocks. Decode loads the same bytes as the
+idealised pipeline; prefill also loads its new blocks (``load MiB/layer``
+column: + the write-back size), which the step then overwrites.
+``--real-resident same`` passes the idealised load set instead; it skips the
+rows without a cached prefix, because an empty ``resident`` crashes
+``LayerBuffer._load`` (``torch.split`` of an empty tensor yields one empty
+chunk, and ``view(0, -1)`` raises). What the real code does differently from
+the idealised pipeline above:
+
+* loads: the resident blocks are GATHERED ON THE HOST, on the forward thread
+  (``BlockLayout.gather``: index_select from the host copy, then a copy into
+  staging), before the H2D copy + on-device scatter is enqueued; the
+  idealised load reads a contiguous host region (no host work at all);
+* one default-priority side stream carries both loads and write-backs (the
+  idealised pipeline: separate high-priority H2D and D2H streams, so both
+  directions of the link run at once);
+* write-back: device gather + D2H into staging, then at ``end_step`` the
+  forward thread waits for every write-back and scatters the rows into the
+  host copy (the idealised one copies D2H straight into a contiguous region);
+* staging: chunks of staging / (4 x 64 KiB) blocks per layer (one chunk per
+  layer at 2 GiB); write-back slices stay allocated until ``end_step``, so the
+  ring must hold every load after the first write-back plus every write-back
+  of the step: when it fills, ``_slice`` waits for the oldest copy, then calls
+  ``end_step`` in the middle of the step (a host synchronization);
+* the host copy is one page-locked torch allocation per layer, which torch's
+  caching host allocator rounds up to a power of two (``host pinned GiB``).
+
+The table also gives, per step, the forward thread's host time in the real
+code (medians): gathers for loads, scatters into the host copy, waits on
+events, and how many ``end_step`` calls the full staging ring forced mid-step.
+Rows whose host copy exceeds ``--real-max-gib`` (16) are skipped for the real
+code (the two large decode rows: 64 GiB); S > 2 runs only where the host copy
+is at most ``--real-extra-max-gib`` (2.5). The real modes run in the first
+``--real-repeats`` (3) repetitions only (to save device time). A check like the one above (host
+copy at the loaded blocks = layer constant, every written block must come back
+to the host copy) runs for the real code on the check batches.
+
 Run locally (CPU, synchronous, tiny sizes: a smoke test, timings meaningless):
 
     .venv/bin/python benchmarks/dynamic_buffer.py --device cpu --quick
@@ -85,6 +134,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vllm_aio.connector.layer_buffer import BufferStep, LayerBuffer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "dynamic_buffer.json"
 MiB, GiB = 1 << 20, 1 << 30
@@ -432,6 +485,126 @@ class Step:
         return out
 
 
+class RealBuffer:
+    """vllm_aio's own LayerBuffer for one batch and one S, driven as the worker drives it.
+
+    The forward thread's host time inside LayerBuffer is measured by wrapping, on this instance only,
+    its host layout's gather/scatter, its device's synchronize and its end_step (counted when the full
+    staging ring forces one mid-step)."""
+
+    def __init__(self, step: Step, s: int, staging_bytes: int, resident: str) -> None:
+        self.step, self.s = step, s
+        m = step.m
+        shape = step.buffers[0].shape
+        self.names = [f"layer.{i}" for i in range(m.layers)]
+        self.backing = torch.zeros(s, *shape, dtype=DTYPE, device=step.acc.device)
+        self.views = [self.backing[i % s] for i in range(m.layers)]
+        before, t0 = _host_stats(), time.perf_counter()
+        self.lb = LayerBuffer(dict(zip(self.names, self.views)), self.names, shape[0], s, staging_bytes)
+        self.create_s = time.perf_counter() - t0
+        after = _host_stats()
+        # Page-locked bytes torch handed out for the host copy (staging excluded), after its rounding.
+        self.host_pinned = after["active"] - before["active"] - self.lb._staging.capacity \
+            if "active" in after and "active" in before else None
+        ids = step.all_ids if resident == "scheduler" else step.load_ids
+        self.bstep = BufferStep(resident=ids.cpu().tolist(), written=step.new_ids.cpu().tolist())
+        self.load_blocks = len(self.bstep.resident)
+        self.stats: dict[str, float] = {}
+        self._in_step = False
+        lb = self.lb
+        lb._host_layout.gather = self._timing("gather_ms", lb._host_layout.gather)
+        lb._host_layout.scatter = self._timing("scatter_ms", lb._host_layout.scatter)
+        lb.device.synchronize = self._timing("wait_ms", lb.device.synchronize)
+        end_step = lb.end_step
+
+        def counted_end_step() -> None:
+            if self._in_step:
+                self.stats["mid_step_end_steps"] += 1
+            end_step()
+
+        lb.end_step = counted_end_step
+
+    def _timing(self, key: str, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.stats[key] += (time.perf_counter() - t0) * 1e3
+        return wrapper
+
+    @property
+    def host_bytes(self) -> int:
+        return self.lb.host_bytes
+
+    def run(self, w: Weights, x0: torch.Tensor, check: torch.Tensor | None = None) -> tuple[float, dict]:
+        """One timed step through LayerBuffer; returns (ms, forward-thread host stats of the step)."""
+        step, lb, L = self.step, self.lb, self.step.m.layers
+        self.stats = {"gather_ms": 0.0, "scatter_ms": 0.0, "wait_ms": 0.0, "mid_step_end_steps": 0}
+
+        def enqueue(start) -> None:
+            self._in_step = True
+            lb.begin_step(self.bstep)  # loads layers 0 .. S-1, then before_layer(0)
+            x = x0
+            for layer in range(L):
+                x = step.forward_layer(w, x, layer, self.views[layer], check)  # KV write + compute
+                lb.layer_done(layer)
+                if layer + 1 < L:
+                    lb.before_layer(layer + 1)
+            self._in_step = False
+            lb.end_step()
+
+        with step.acc.attention_backends():
+            ms = timed(step.acc, enqueue)
+        return ms, dict(self.stats)
+
+    def check(self, w: Weights, x0: torch.Tensor) -> str:
+        """Host copy = the layer's constant at the loaded blocks; loads and write-backs must match it."""
+        step, L = self.step, self.step.m.layers
+        load_ids, new_ids = step.load_ids.cpu(), step.new_ids.cpu()
+        self.backing.zero_()
+        for i, name in enumerate(self.names):
+            host = self.lb.host_caches[name]
+            host.zero_()
+            host[load_ids] = step.expected(i)
+        got = torch.full((L,), -1.0, device=step.acc.device)
+        self.run(w, x0, check=got)
+        want = torch.tensor([step.expected(i) for i in range(L)])
+        bad_load = (got.cpu() != want).nonzero().flatten().tolist() if step.n_load else []
+        bad_wb = [i for i, name in enumerate(self.names)
+                  if not bool((self.lb.host_caches[name][new_ids].float() == step.expected(i)).all())]
+        return "ok" if not bad_load and not bad_wb else \
+            f"FAILED (load at layers {bad_load[:8]}, write-back at {bad_wb[:8]})"
+
+
+def _host_stats() -> dict:
+    """Bytes torch's caching host allocator has handed out (CUDA only; empty where unavailable)."""
+    if not torch.cuda.is_available():
+        return {}
+    try:
+        stats = torch.cuda.memory.host_memory_stats()
+    except Exception:  # older torch
+        return {}
+    return {"active": int(stats["active_bytes.current"])} if "active_bytes.current" in stats else {}
+
+
+def real_s_values(args, host_bytes: int) -> list[int]:
+    """The S values the real code runs for a batch whose LayerBuffer host copy is ``host_bytes``."""
+    if host_bytes > args.real_max_gib * GiB:
+        return []
+    return [s for s in args.real_s_values if s == 2 or host_bytes <= args.real_extra_max_gib * GiB]
+
+
+def _pow2_layers(layer_bytes: int, layers: int) -> int:
+    """Bytes torch's caching host allocator pins for ``layers`` allocations of ``layer_bytes`` (power-of-2 sizes)."""
+    return layers * (1 << max(layer_bytes - 1, 0).bit_length())
+
+
+def real_host_bytes(m: Model, b: Batch) -> int:
+    per_req = (b.context if b.phase == "decode" else b.context + b.new) // m.block_size
+    return m.layers * b.reqs * per_req * m.block_bytes
+
+
 # ---------------------------------------------------------------- measuring
 
 def tokens_of(b: Batch) -> int:
@@ -442,12 +615,29 @@ def measure(acc: Accel, m: Model, b: Batch, host_pool: torch.Tensor, w: Weights,
             gen: torch.Generator) -> dict:
     step = Step(acc, m, b, host_pool, max(args.s_values), gen)
     x0 = torch.randn(tokens_of(b), m.hidden, generator=gen).to(acc.device, DTYPE)
-    modes = ["resident", "transfer"] + [f"S={s}" for s in args.s_values]
+    real_bytes = real_host_bytes(m, b)
+    skip = None
+    if real_bytes > args.real_max_gib * GiB:
+        skip = f"host copy {real_bytes / GiB:g} GiB > --real-max-gib {args.real_max_gib:g}"
+    elif args.real_resident == "same" and not step.n_load:
+        skip = "empty resident (crashes LayerBuffer._load)"
+    real = {} if skip else {s: RealBuffer(step, s, args.real_staging_bytes, args.real_resident)
+                            for s in real_s_values(args, real_bytes)}
+    modes = ["resident", "transfer"] + [f"S={s}" for s in args.s_values] + [f"vllm_aio S={s}" for s in real]
     repeats = args.decode_repeats if b.phase == "decode" else args.repeats
     samples: dict[str, list[float]] = {mode: [] for mode in modes}
+    host_stats: dict[int, list[dict]] = {s: [] for s in real}
     for rep in range(args.warmup + repeats):
         for mode in modes:
-            t = step.run(mode, w, x0)
+            if mode.startswith("vllm_aio"):
+                if rep >= args.warmup + args.real_repeats:
+                    continue
+                s = int(mode.rpartition("=")[2])
+                t, stats = real[s].run(w, x0)
+                if rep >= args.warmup:
+                    host_stats[s].append(stats)
+            else:
+                t = step.run(mode, w, x0)
             if rep >= args.warmup:
                 samples[mode].append(t)
     med = {mode: statistics.median(v) for mode, v in samples.items()}
@@ -469,7 +659,21 @@ def measure(acc: Accel, m: Model, b: Batch, host_pool: torch.Tensor, w: Weights,
         row[f"S{s}_over_ideal"] = med[f"S={s}"] / ideal
         row[f"S{s}_model_ms"] = L * max(t, c, wb, (t + c + wb) / s) + min(t, c)  # steady period + fill
     row["S2_over_resident"] = med["S=2"] / med["resident"]
-    del step
+    row["real"] = {
+        "host_copy_GiB": real_bytes / GiB, "host_copy_pow2_GiB": _pow2_layers(real_bytes // m.layers, m.layers) / GiB,
+        "staging_MiB": args.real_staging_bytes / MiB, "resident": args.real_resident,
+        "skipped": skip,
+    }
+    for s, rb in real.items():
+        ms = med[f"vllm_aio S={s}"]
+        row["real"][f"S{s}"] = {
+            "ms": ms, "over_ideal": ms / ideal, "over_idealised_S": ms / med[f"S={s}"] if s in args.s_values else None,
+            "load_MiB_per_layer": rb.load_blocks * m.block_bytes / MiB,
+            "host_pinned_GiB": None if rb.host_pinned is None else rb.host_pinned / GiB,
+            "create_s": rb.create_s,
+            "host_ms_per_step": {k: statistics.median(d[k] for d in host_stats[s]) for k in host_stats[s][0]},
+        }
+    del real, step
     if acc.device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -482,6 +686,10 @@ def run_checks(acc: Accel, m: Model, batches: list[Batch], host_pool: torch.Tens
         step = Step(acc, m, b, host_pool, max(args.s_values), gen)
         x0 = torch.randn(tokens_of(b), m.hidden, generator=gen).to(acc.device, DTYPE)
         out[f"{b.phase} {b.label()}"] = step.check(w, x0, args.s_values)
+        for s in args.real_s_values if step.n_load or args.real_resident == "scheduler" else []:
+            real = RealBuffer(step, s, args.real_staging_bytes, args.real_resident)
+            out[f"{b.phase} {b.label()}"][f"vllm_aio S={s}"] = real.check(w, x0)
+            del real
         del step
     return out
 
@@ -498,6 +706,42 @@ def print_table(rows: list[dict], s_values: list[int]) -> None:
             f"{r['resident_ms']:.1f}", f"{r['transfer_ms']:.1f}", f"{r['ideal_ms']:.1f}",
         ] + [f"{r[f'S{s}_ms']:.1f}" for s in s_values] + [f"{r[f'S{s}_over_ideal']:.3f}" for s in s_values]
           + [f"{r['S2_over_resident']:.2f}", f"{r['transfer_GBps']:.1f}"])
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for i, row in enumerate(table):
+        print("| " + " | ".join(c.ljust(wd) if j < 2 else c.rjust(wd)
+                                for j, (c, wd) in enumerate(zip(row, widths))) + " |")
+        if i == 0:
+            print("|" + "|".join(("-" * (wd + 2)) if j < 2 else ("-" * (wd + 1) + ":")
+                                 for j, wd in enumerate(widths)) + "|")
+
+
+def print_real_table(rows: list[dict], real_s: list[int]) -> None:
+    """The connector's LayerBuffer next to the idealised pipeline (same batches, same run)."""
+    head = ["phase", "batch", "load MiB/layer (idealised / vllm_aio)", "resident ms", "ideal ms",
+            "S=2 ms (idealised)", "vllm_aio S=2 ms",
+            "vllm_aio S=2/ideal", "vllm_aio S=2/idealised S=2"] + \
+           [f"vllm_aio S={s} ms" for s in real_s if s != 2] + \
+           ["host copy GiB (pinned)", "fwd-thread host ms/step: gather / scatter / wait", "mid-step end_step"]
+    table = [head]
+    for r in rows:
+        real = r["real"]
+        if "S2" not in real:
+            table.append([r["phase"], r["batch"], f"{r['load_MiB_per_layer']:g} / -", f"{r['resident_ms']:.1f}",
+                          f"{r['ideal_ms']:.1f}", f"{r['S2_ms']:.1f}", "-", "-", "-"] +
+                         ["-" for s in real_s if s != 2] + [f"{real['host_copy_GiB']:.3g} (skipped)", "-", "-"])
+            continue
+        s2 = real["S2"]
+        h = s2["host_ms_per_step"]
+        pinned = s2["host_pinned_GiB"] if s2["host_pinned_GiB"] is not None else real["host_copy_pow2_GiB"]
+        table.append([
+            r["phase"], r["batch"], f"{r['load_MiB_per_layer']:g} / {s2['load_MiB_per_layer']:g}",
+            f"{r['resident_ms']:.1f}", f"{r['ideal_ms']:.1f}", f"{r['S2_ms']:.1f}", f"{s2['ms']:.1f}",
+            f"{s2['over_ideal']:.3f}", f"{s2['over_idealised_S']:.2f}",
+        ] + [f"{real[f'S{s}']['ms']:.1f}" if f"S{s}" in real else "-" for s in real_s if s != 2] + [
+            f"{real['host_copy_GiB']:.3g} ({pinned:.3g})",
+            f"{h['gather_ms']:.1f} / {h['scatter_ms']:.1f} / {h['wait_ms']:.1f}",
+            f"{h['mid_step_end_steps']:g}",
+        ])
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for i, row in enumerate(table):
         print("| " + " | ".join(c.ljust(wd) if j < 2 else c.rjust(wd)
@@ -533,6 +777,17 @@ def main() -> int:
     parser.add_argument("--decode-repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--host-gib", type=float, default=8.0, help="pinned host pool (layers share regions beyond it)")
+    parser.add_argument("--real-s-values", default="2,3", help="S values of the connector's LayerBuffer")
+    parser.add_argument("--real-max-gib", type=float, default=16.0,
+                        help="skip the real LayerBuffer where its page-locked host copy (L x blocks x page) is larger")
+    parser.add_argument("--real-extra-max-gib", type=float, default=2.5,
+                        help="run real S other than 2 only where the host copy is at most this")
+    parser.add_argument("--real-staging-mib", type=int, default=2048, help="LayerBuffer's staging_bytes")
+    parser.add_argument("--real-repeats", type=int, default=3,
+                        help="repetitions of the real LayerBuffer modes (the first ones of --repeats)")
+    parser.add_argument("--real-resident", choices=("scheduler", "same"), default="scheduler",
+                        help="BufferStep.resident: every block of the request (what the scheduler half sends: "
+                             "prefill loads its new blocks too), or the idealised load set")
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"results JSON (default {RESULTS})")
     args = parser.parse_args()
     acc = Accel(args.device)
@@ -541,7 +796,10 @@ def main() -> int:
         args.prefill, args.decode, args.check = "1x128,2x64+256", "4x256", "prefill:1x64+128,decode:2x128"
         args.host_gib, args.s_values = 1 / 16, "2,3"
         args.repeats, args.decode_repeats = min(args.repeats, 2), min(args.decode_repeats, 2)
+        args.real_staging_mib = min(args.real_staging_mib, 16)
     args.s_values = [int(s) for s in args.s_values.split(",")]
+    args.real_s_values = [int(s) for s in args.real_s_values.split(",") if s]
+    args.real_staging_bytes = args.real_staging_mib * MiB
     if 2 not in args.s_values:
         raise SystemExit("--s-values must include 2")
     batches = parse_batches(args.prefill, "prefill") + parse_batches(args.decode, "decode")
@@ -565,7 +823,9 @@ def main() -> int:
         rows.append(measure(acc, m, b, host_pool, w, args, bw, gen))
         r = rows[-1]
         print(f"  {b.phase} {b.label()}: resident {r['resident_ms']:.1f} transfer {r['transfer_ms']:.1f} "
-              + " ".join(f"S={s} {r[f'S{s}_ms']:.1f}" for s in args.s_values) + " ms", flush=True)
+              + " ".join(f"S={s} {r[f'S{s}_ms']:.1f}" for s in args.s_values)
+              + "".join(f" vllm_aio S={s} {r['real'][f'S{s}']['ms']:.1f}" for s in args.real_s_values
+                        if f"S{s}" in r["real"]) + " ms", flush=True)
     elapsed = time.perf_counter() - started
     print(f"\n{m.name} ({m.layers} layers, {m.kv_heads} KV heads x {m.head_dim}, bf16, block {m.block_size}: "
           f"{m.block_bytes // 1024} KiB per block per layer), {acc.describe()}, torch {torch.__version__}, "
@@ -576,6 +836,16 @@ def main() -> int:
     print(f"\nOne {copy_bytes // MiB} MiB pinned copy: H2D {bw['h2d_GBps']:.1f} GB/s, D2H {bw['d2h_GBps']:.1f} GB/s, "
           f"H2D + D2H at once {bw['bidir_GBps']:.1f} GB/s in total.")
     print(f"Checks (loads and write-backs in order, every S): {check}")
+    print(f"\nThe connector's LayerBuffer (vllm_aio S=<n>, real code) next to the idealised pipeline, same run: "
+          f"median of {args.real_repeats} (interleaved with the first repetitions above), "
+          f"staging {args.real_staging_mib} MiB, BufferStep.resident = "
+          + ("the idealised load set" if args.real_resident == "same"
+             else "every block of the request (as the scheduler sends it)") + "; "
+          f"host copy = L x blocks x {m.block_bytes // 1024} KiB page-locked (in parentheses: what torch pinned "
+          f"for it, one power-of-2 allocation per layer); forward-thread host ms per step (median) inside "
+          f"LayerBuffer: host gathers for loads / scatters into the host copy / waits on events; mid-step "
+          f"end_step = forced by a full staging ring\n")
+    print_real_table(rows, args.real_s_values)
     out = {"script": "dynamic_buffer", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
            "device": acc.describe(), "torch": torch.__version__, "model": asdict(m), "elapsed_s": elapsed,
            "bandwidth": bw, "checks": check, "args": {k: v for k, v in vars(args).items() if k != "json"},

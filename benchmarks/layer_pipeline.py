@@ -58,6 +58,40 @@ host layer region r holds the constant r+1, the caches are zeroed, and every
 layer's attention records the mean of the KV it read, which must equal its
 region's constant (a missed or early wait reads zeros or another layer's KV).
 
+The connector's real code, in the same run (third table; the ``--prefix``
+sweep at ``--aio-ratios``, default 0.5, 1, 2): the prefix's blocks are first
+put into an embedded pool (``LocalBackend`` in /dev/shm, sized for the
+prefix's L x blocks one-layer values) with ``BlockIO.save`` of every layer
+unit ``Unit((l,), l)`` (from the same device caches, after a load of the host
+regions, so the check above applies). Modes, interleaved with the others:
+
+* ``vllm_aio load``: ``BlockIO.load(blocks, Unit((l,), l))`` of every layer, on
+  one ``TransferThread`` (the worker's receiving thread), the forward thread
+  waiting on every future;
+* ``vllm_aio bulk``: those loads, then the forward;
+* ``vllm_aio layerwise``: what the worker does with ``use_layerwise``: it
+  submits 1 + ``--aio-prefetch`` (1, the config default) layer loads, and
+  before layer l's compute takes layer l's future, submits the next layer's
+  load (keeping the window full) and waits for the future's result (its
+  ``wait_for_layer_load``: ``future.result()``).
+
+What each real load does, per layer (``BlockIO._load_through_staging``): one
+page-locked staging slice for the whole layer batch (blocks x (64 KiB + a
+64-byte header)); ``LocalBackend.batch_get`` memcpys the values from the pool
+into it (on the transfer thread, on up to 8 copy threads); the headers are
+checked; then, per 64 MiB chunk, one H2D copy into a fresh device scratch
+and an on-device scatter of the payload into the paged cache, on BlockIO's
+own default-priority stream; then the thread waits (host) for that stream
+before releasing the slice and returning. So a layer's pool copy, its H2D
+and the next layer's pool copy run one after the other; the idealised load
+has no pool copy at all (a contiguous pinned region per layer) and keeps the
+copy engine busy back to back. ``ideal (own load)`` is the ideal formula
+with the real load in place of the idealised one. Next to it: the transfer
+thread's ms in ``batch_get`` per layer and the forward thread's ms blocked on
+futures per step (medians). On accelerators, one more line: ``BlockIO.load``
+of the prefix's whole blocks (every layer in one value) through the default
+``staging_buffer_size`` (256 MiB), which cannot hold the batch.
+
 Run locally (CPU, synchronous, tiny sizes: a smoke test of the code paths,
 timings meaningless):
 
@@ -75,15 +109,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vllm_aio.backends import Status  # noqa: E402
+from vllm_aio.backends.local import LocalBackend  # noqa: E402
+from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff  # noqa: E402
+from vllm_aio.connector.block_layout import BlockLayout  # noqa: E402
+from vllm_aio.connector.staging import StagingBuffer  # noqa: E402
+from vllm_aio.connector.transfer import TransferThread  # noqa: E402
+from vllm_aio.device import Device  # noqa: E402
+from vllm_aio.pool import host_pool  # noqa: E402
+from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader  # noqa: E402
+from vllm_aio.pool.keys import Unit  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "layer_pipeline.json"
 MiB, GiB = 1 << 20, 1 << 30
@@ -358,6 +408,140 @@ class Prefix:
         return out
 
 
+class AioPath:
+    """The connector's own layer loads for a prefix: LocalBackend pool -> BlockIO -> the prefix's device caches."""
+
+    AIO_MODES = ("vllm_aio load", "vllm_aio bulk", "vllm_aio layerwise")
+
+    def __init__(self, prefix: Prefix, w: Weights, args) -> None:
+        m, acc = prefix.m, prefix.acc
+        self.prefix, self.prefetch = prefix, args.aio_prefetch
+        names = [f"layer.{i}" for i in range(m.layers)]
+        num_blocks = prefix.caches[0].shape[0]
+        self.layout = BlockLayout(dict(zip(names, prefix.caches)), names, num_blocks)
+        dev = Device(acc.device)
+        self.units = [Unit((i,), i) for i in range(m.layers)]
+        value = HEADER_BYTES + self.layout.payload_bytes((0,))
+        slots = m.layers * prefix.blocks + 64  # every layer's values, never an eviction
+        self.shm = _pool_dir(slots * value)
+        self.backend = LocalBackend(f"bench-lp-{uuid.uuid4().hex[:8]}", slots * value, value, seal=True)
+        self.header = EntryHeader("0123456789abcdef", "pp0.dcp0.h0", -1, m.block_size, 0)
+        staging = max(2 * prefix.blocks * value, args.aio_staging_mib * MiB)  # one layer batch, twice over
+        self.io = BlockIO(self.layout, self.backend, self.header, StagingBuffer(dev, staging),
+                          StagingBuffer(dev, staging), 30.0)
+        self.refs = [BlockRef(b, f"p{i}".encode()) for i, b in enumerate(prefix.block_list)]
+        self.recv = TransferThread("bench-recv")
+        self.get_ms: list[float] = []
+        batch_get = self.backend.batch_get
+
+        def timed_get(keys, segments):  # on the transfer thread
+            t0 = time.perf_counter()
+            try:
+                return batch_get(keys, segments)
+            finally:
+                self.get_ms.append((time.perf_counter() - t0) * 1e3)
+
+        self.backend.batch_get = timed_get
+        self.wait_ms = 0.0
+        self.failed = 0
+        # The pool gets every layer of the prefix: the host regions' constants, loaded, then saved per layer.
+        prefix.run("load", w, None)
+        t0 = time.perf_counter()
+        for unit in self.units:
+            statuses = self.io.save(self.refs, unit, self.io.device.record(), CopyHandoff())
+            if any(st is not Status.OK for st in statuses):
+                raise SystemExit(f"vllm_aio: save of layer {unit.tag} failed: {sorted(set(statuses), key=str)}")
+        self.save_s = time.perf_counter() - t0
+        self.staging_bytes, self.value_bytes, self.pool_bytes = staging, value, slots * value
+
+    def _load(self, unit: Unit) -> list[Status]:
+        return self.io.load(self.refs, unit)
+
+    def _result(self, future) -> None:
+        t0 = time.perf_counter()
+        statuses = future.result(timeout=30.0)
+        self.wait_ms += (time.perf_counter() - t0) * 1e3
+        self.failed += sum(st is not Status.OK for st in statuses)
+
+    def run(self, mode: str, w: Weights, x0: torch.Tensor | None, check: torch.Tensor | None = None) -> float:
+        prefix, L = self.prefix, self.prefix.m.layers
+        acc = prefix.acc
+        self.wait_ms, self.get_ms = 0.0, []
+
+        def enqueue(start) -> None:
+            if mode != "vllm_aio layerwise":  # load / bulk: every layer's load, then (bulk) the forward
+                for future in [self.recv.submit(self._load, unit) for unit in self.units]:
+                    self._result(future)
+                if mode == "vllm_aio load":
+                    return
+                x = x0
+                for layer in range(L):
+                    x = forward_layer(prefix.m, w, x, prefix.caches[layer], prefix.block_ids, check, layer)
+                return
+            futures, pending = {}, iter(self.units)
+
+            def advance() -> None:  # the worker's _advance_retrieve
+                unit = next(pending, None)
+                if unit is not None:
+                    futures[unit.tag] = self.recv.submit(self._load, unit)
+
+            for _ in range(1 + self.prefetch):
+                advance()
+            x = x0
+            for layer in range(L):
+                future = futures.pop(layer)  # the worker's wait_for_layer_load: take, refill the window, wait
+                advance()
+                self._result(future)
+                x = forward_layer(prefix.m, w, x, prefix.caches[layer], prefix.block_ids, check, layer)
+
+        with acc.attention_backends():
+            return timed(acc, enqueue)
+
+    def check(self, w: Weights, x0: torch.Tensor) -> dict:
+        want = torch.tensor([self.prefix.expected(i) for i in range(self.prefix.m.layers)])
+        out = {}
+        for mode in self.AIO_MODES[1:]:
+            for cache in self.prefix.caches:
+                cache.zero_()
+            got = torch.full((self.prefix.m.layers,), -1.0, device=self.prefix.acc.device)
+            self.failed = 0
+            self.run(mode, w, x0, check=got)
+            bad = (got.cpu() != want).nonzero().flatten().tolist()
+            out[mode] = "ok" if not bad and not self.failed else f"FAILED at layers {bad[:8]}, {self.failed} not OK"
+        return out
+
+    def default_staging_probe(self) -> str:
+        """Whole blocks (every layer in one value) of the prefix through the default 256 MiB staging."""
+        if self.io.device.is_host:
+            return "not run on the CPU (its loads bypass staging)"
+        small = StagingBuffer(self.io.device, 256 * MiB)
+        io = BlockIO(self.layout, self.backend, self.header, small, small, 1.0)
+        every = Unit(tuple(range(self.prefix.m.layers)), None)
+        statuses = io.load(self.refs, every)
+        counts = {st.value: statuses.count(st) for st in set(statuses)}
+        del io, small
+        return (f"{len(self.refs)} values of {io_value(self.layout, every) / MiB:.2f} MiB "
+                f"({len(self.refs) * io_value(self.layout, every) / GiB:.2f} GiB) -> {counts}")
+
+    def close(self) -> None:
+        self.recv.close()
+        self.backend.close()
+
+
+def io_value(layout: BlockLayout, unit: Unit) -> int:
+    return HEADER_BYTES + layout.payload_bytes(unit.layers)
+
+
+def _pool_dir(need: int) -> Path:
+    """/dev/shm when it has room for the pool, else the temp dir (a disk-backed mapping: noted in the output)."""
+    for d in (host_pool.SHM_DIR, Path(tempfile.gettempdir())):
+        st = os.statvfs(d)
+        if st.f_bavail * st.f_frsize > need * 1.1 + 64 * MiB:
+            host_pool.SHM_DIR = d  # read at call time by every pool path, lock and space check
+            return d
+    raise SystemExit(f"no room for a {need / GiB:.2f} GiB pool in /dev/shm nor {tempfile.gettempdir()}")
+
+
 # ---------------------------------------------------------------- measuring
 
 def median_runs(fn, warmup: int, repeats: int) -> float:
@@ -379,21 +563,47 @@ def pick_rows(target_ms: float, a: float, b: float, align: int) -> int:
     return max(align, int(round((target_ms - a) / b / align)) * align)
 
 
-def measure(prefix: Prefix, w: Weights, rows: int, ratio: float, args, gen: torch.Generator) -> dict:
+def measure(prefix: Prefix, w: Weights, rows: int, ratio: float, args, gen: torch.Generator,
+            aio: AioPath | None = None) -> dict:
     m, L = prefix.m, prefix.m.layers
     x0 = torch.randn(rows, m.hidden, generator=gen).to(prefix.acc.device, DTYPE)
-    modes = ("compute", "load", "bulk") + LAYERWISE + ("load+sep",)
+    modes = ("compute", "load", "bulk") + LAYERWISE + ("load+sep",) + (AioPath.AIO_MODES if aio else ())
     samples: dict[str, list[float]] = {mode: [] for mode in modes}
+    aio_stats: dict[str, list[tuple[float, float, int]]] = {mode: [] for mode in AioPath.AIO_MODES}
     for rep in range(args.warmup + args.repeats):
         for mode in modes:
-            t = prefix.run(mode, w, x0, args.window)
+            if mode.startswith("vllm_aio"):
+                aio.failed = 0
+                t = aio.run(mode, w, x0)
+                if rep >= args.warmup:
+                    aio_stats[mode].append((aio.wait_ms, sum(aio.get_ms) / L, aio.failed))
+            else:
+                t = prefix.run(mode, w, x0, args.window)
             if rep >= args.warmup:
                 samples[mode].append(t)
     med = {mode: statistics.median(v) for mode, v in samples.items()}
     load, comp = med["load"], med["compute"]
     ideal = max(load, comp) + min(load, comp) / L
     total = prefix.layer_bytes * L
+    real = None
+    if aio:
+        own = med["vllm_aio load"]
+        own_ideal = max(own, comp) + min(own, comp) / L
+        real = {"load_ms": own, "load_GBps": total / (own * 1e-3) / 1e9, "ideal_own_load_ms": own_ideal,
+                "prefetch_layers": aio.prefetch}
+        for mode in AioPath.AIO_MODES:
+            key = mode.split()[1]
+            st = aio_stats[mode]
+            real[f"{key}_ms"] = med[mode]
+            real[f"{key}_over_ideal"] = med[mode] / ideal
+            real[f"{key}_over_own_ideal"] = med[mode] / own_ideal
+            real[f"{key}_fwd_wait_ms"] = statistics.median(x[0] for x in st)
+            real[f"{key}_batch_get_ms_per_layer"] = statistics.median(x[1] for x in st)
+            real[f"{key}_not_ok"] = sum(x[2] for x in st)
+        real["layerwise_over_idealised_layerwise"] = med["vllm_aio layerwise"] / med["layerwise"]
+        real["bulk_over_idealised_bulk"] = med["vllm_aio bulk"] / med["bulk"]
     return {
+        "vllm_aio": real,
         "prefix_tokens": prefix.tokens, "kv_MiB_per_layer": prefix.layer_bytes / MiB, "new_tokens": rows,
         "ratio_target": ratio, "ratio_measured": load / comp,
         "compute_ms": comp, "load_ms": load, "bulk_ms": med["bulk"], "layerwise_ms": med["layerwise"],
@@ -419,17 +629,36 @@ def run_prefix(acc: Accel, m: Model, tokens: int, ratios: list[float], host_pool
     extra["check"] = prefix.check(w, x_check, args.window)
     print(f"  prefix {tokens}: check {extra['check']}, load {load:.2f} ms, compute(M) = {a:.2f} + {b * 1e3:.3f}e-3*M ms",
           flush=True)
+    aio = None
+    if tokens == args.prefix and args.aio_ratios:
+        aio = AioPath(prefix, w, args)
+        extra["vllm_aio"] = {
+            "pool_dir": str(aio.shm), "pool_GiB": aio.pool_bytes / GiB, "value_bytes": aio.value_bytes,
+            "staging_MiB": aio.staging_bytes / MiB, "save_s": aio.save_s,
+            "save_GBps": prefix.layer_bytes * m.layers / aio.save_s / 1e9,
+            "check": aio.check(w, x_check), "default_staging_whole_blocks": aio.default_staging_probe(),
+        }
+        print(f"  vllm_aio: pool {aio.pool_bytes / GiB:.2f} GiB in {aio.shm}, staging {aio.staging_bytes / MiB:g} MiB; "
+              f"saved {m.layers} layers in {aio.save_s:.2f} s; check {extra['vllm_aio']['check']}; whole blocks "
+              f"through the default 256 MiB staging: {extra['vllm_aio']['default_staging_whole_blocks']}", flush=True)
     if per_block:
         t = median_runs(lambda: prefix.run("load_per_block", w, None), 1, 3)
         extra.update(per_block_ms=t, per_block_GBps=prefix.layer_bytes * m.layers / (t * 1e-3) / 1e9,
                      per_block_copies=prefix.blocks * m.layers)
     rows = []
     for ratio in ratios:
-        row = measure(prefix, w, pick_rows(load / ratio, a, b, m.block_size), ratio, args, gen)
+        row = measure(prefix, w, pick_rows(load / ratio, a, b, m.block_size), ratio, args, gen,
+                      aio if aio and ratio in args.aio_ratios else None)
         row["pinned_h2d_GBps"] = bw["h2d_GBps"]
         rows.append(row)
-        print(f"    ratio {ratio}: M={row['new_tokens']} layerwise/ideal {row['layerwise_over_ideal']:.3f}", flush=True)
-    del prefix
+        real = row["vllm_aio"]
+        print(f"    ratio {ratio}: M={row['new_tokens']} layerwise/ideal {row['layerwise_over_ideal']:.3f}"
+              + (f"; vllm_aio load {real['load_ms']:.1f} bulk {real['bulk_ms']:.1f} layerwise "
+                 f"{real['layerwise_ms']:.1f} ms (layerwise/ideal {real['layerwise_over_ideal']:.3f})" if real else ""),
+              flush=True)
+    if aio:
+        aio.close()
+    del aio, prefix
     if acc.device.type == "cuda":
         torch.cuda.empty_cache()
     return rows, extra
@@ -465,6 +694,26 @@ def print_tables(rows: list[dict]) -> None:
          for r in rows])
 
 
+def print_aio_table(rows: list[dict]) -> None:
+    rows = [r for r in rows if r.get("vllm_aio")]
+    if not rows:
+        return
+    print_markdown(
+        ["prefix tokens", "new tokens M", "load/compute measured", "compute ms", "load ms", "vllm_aio load ms",
+         "vllm_aio load GB/s", "bulk ms", "vllm_aio bulk ms", "layerwise ms", "vllm_aio layerwise ms", "ideal ms",
+         "vllm_aio layerwise/ideal", "vllm_aio bulk/ideal", "vllm_aio/idealised layerwise",
+         "ideal (own load) ms", "vllm_aio layerwise/ideal (own load)", "batch_get ms/layer",
+         "fwd wait ms/step (layerwise)"],
+        [[str(r["prefix_tokens"]), str(r["new_tokens"]), f"{r['ratio_measured']:.2f}", f"{r['compute_ms']:.2f}",
+          f"{r['load_ms']:.2f}", f"{a['load_ms']:.2f}", f"{a['load_GBps']:.1f}", f"{r['bulk_ms']:.2f}",
+          f"{a['bulk_ms']:.2f}", f"{r['layerwise_ms']:.2f}", f"{a['layerwise_ms']:.2f}", f"{r['ideal_ms']:.2f}",
+          f"{a['layerwise_over_ideal']:.3f}", f"{a['bulk_over_ideal']:.3f}",
+          f"{a['layerwise_over_idealised_layerwise']:.2f}", f"{a['ideal_own_load_ms']:.2f}",
+          f"{a['layerwise_over_own_ideal']:.3f}", f"{a['layerwise_batch_get_ms_per_layer']:.2f}",
+          f"{a['layerwise_fwd_wait_ms']:.1f}"]
+         for r in rows for a in [r["vllm_aio"]]])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", help="auto (the current accelerator, else cpu), cuda, cpu, ...")
@@ -476,6 +725,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--host-gib", type=float, default=8.0, help="pinned host pool (layers share regions beyond it)")
+    parser.add_argument("--aio-ratios", default="0.5,1,2",
+                        help="ratios of the --prefix sweep that also run the connector's real path (empty: none)")
+    parser.add_argument("--aio-prefetch", type=int, default=1,
+                        help="vllm_aio layerwise: layerwise_prefetch_layers (loads in flight: 1 + this)")
+    parser.add_argument("--aio-staging-mib", type=int, default=256,
+                        help="vllm_aio: BlockIO staging per direction (raised to two layer batches if smaller)")
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"results JSON (default {RESULTS})")
     args = parser.parse_args()
     acc = Accel(args.device)
@@ -483,6 +738,8 @@ def main() -> int:
     if args.quick:
         args.prefix, args.more_prefixes, args.host_gib = 512, "256", 1 / 16
         args.repeats, args.warmup = min(args.repeats, 3), 1
+        args.aio_staging_mib = min(args.aio_staging_mib, 4)
+    args.aio_ratios = [float(r) for r in args.aio_ratios.split(",") if r]
     args.copy_bytes = (8 * MiB) if args.quick else GiB
     args.fit_rows = (16, 64) if args.quick else (512, 4096)
     ratios = [float(r) for r in args.ratios.split(",")]
@@ -508,6 +765,18 @@ def main() -> int:
           f"({main_extra['per_block_copies']} copies of {m.block_bytes // 1024} KiB, no staging): "
           f"{main_extra['per_block_GBps']:.1f} GB/s vs batched staging + scatter {rows[0]['load_GBps']:.1f} GB/s.")
     print("Checks (each layer read its own KV): " + "; ".join(f"{e['prefix_tokens']}: {e['check']}" for e in extras))
+    if "vllm_aio" in main_extra:
+        v = main_extra["vllm_aio"]
+        print(f"\nThe connector's real load path (vllm_aio: LocalBackend pool in {v['pool_dir']} -> "
+              f"BlockIO.load(blocks, Unit((l,), l)) on a TransferThread, staging {v['staging_MiB']:g} MiB; "
+              f"layerwise: {1 + args.aio_prefetch} layer loads in flight, future.result() before each layer) "
+              f"next to the idealised modes, same run; ideal as above; ideal (own load) = the same formula with "
+              f"vllm_aio load; batch_get = the pool's memcpy per layer on the transfer thread; fwd wait = the "
+              f"forward thread blocked on futures per step\n")
+        print_aio_table(rows)
+        print(f"\nvllm_aio checks: {v['check']}; the pool filled by BlockIO.save of {m.layers} layer units in "
+              f"{v['save_s']:.2f} s ({v['save_GBps']:.1f} GB/s). Whole blocks (every layer in one value) of prefix "
+              f"{args.prefix} through the default staging_buffer_size (256 MiB): {v['default_staging_whole_blocks']}.")
     out = {"script": "layer_pipeline", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
            "device": acc.describe(), "torch": torch.__version__, "model": asdict(m), "elapsed_s": elapsed,
            "args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows, "per_prefix": extras}
