@@ -454,12 +454,14 @@ class AioPath:
         self.save_s = time.perf_counter() - t0
         self.staging_bytes, self.value_bytes, self.pool_bytes = staging, value, slots * value
 
-    def _load(self, unit: Unit) -> list[Status]:
+    def _load(self, unit: Unit) -> tuple[list[Status], torch.Event | None]:
         return self.io.load(self.refs, unit)
 
     def _result(self, future) -> None:
+        """The worker's wait_for_layer_load: the compute stream waits for the layer's copies."""
         t0 = time.perf_counter()
-        statuses = future.result(timeout=30.0)
+        statuses, copied = future.result(timeout=30.0)
+        self.io.device.wait(copied)
         self.wait_ms += (time.perf_counter() - t0) * 1e3
         self.failed += sum(st is not Status.OK for st in statuses)
 
@@ -517,7 +519,8 @@ class AioPath:
         small = StagingBuffer(self.io.device, 256 * MiB)
         io = BlockIO(self.layout, self.backend, self.header, small, small, 1.0)
         every = Unit(tuple(range(self.prefix.m.layers)), None)
-        statuses = io.load(self.refs, every)
+        statuses, copied = io.load(self.refs, every)
+        io.device.synchronize(copied)
         counts = {st.value: statuses.count(st) for st in set(statuses)}
         del io, small
         return (f"{len(self.refs)} values of {io_value(self.layout, every) / MiB:.2f} MiB "

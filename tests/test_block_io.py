@@ -16,7 +16,7 @@ from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff
 from vllm_aio.connector.block_layout import BlockLayout
-from vllm_aio.connector.staging import StagingBuffer
+from vllm_aio.connector.staging import InFlight, StagingBuffer
 from vllm_aio.device import Device
 from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader
 from vllm_aio.pool.keys import Unit
@@ -39,6 +39,13 @@ def make_io(device: str, shape: tuple[int, ...], backend: LocalBackend | None, s
     return io, caches, backend
 
 
+def loaded(io: BlockIO, blocks, unit) -> list[Status]:
+    """A load, waited for as the forward thread would (its stream after the copy event)."""
+    statuses, copied = io.load(blocks, unit)
+    io.device.wait(copied)
+    return statuses
+
+
 def refs(block_ids, tag="b"):
     return [BlockRef(b, f"{tag}{i}".encode()) for i, b in enumerate(block_ids)]
 
@@ -56,7 +63,7 @@ def test_saved_blocks_load_into_other_block_ids_byte_for_byte(device_and_shape):
     assert handoff.wait(0)
     loader, dst, _ = make_io(device, shape, backend, seed=2)
     before = {n: t.clone() for n, t in dst.items()}
-    assert loader.load(refs([0, 5, 11]), EVERY_LAYER) == [Status.OK] * 3
+    assert loaded(loader, refs([0, 5, 11]), EVERY_LAYER) == [Status.OK] * 3
     for n in LAYERS:
         blocks = (lambda t, ids: t[ids] if len(shape) == 4 else t[:, ids])
         assert torch.equal(blocks(dst[n], [0, 5, 11]), blocks(src[n], [3, 7, 1]))
@@ -76,7 +83,7 @@ def test_a_value_of_another_shard_is_refused_and_leaves_the_device_cache_alone(d
     assert backend.batch_get([theirs], [[(value.data_ptr(), value.numel())]]) == [Status.OK]
     backend.batch_put([key], [[(value.data_ptr(), value.numel())]])
     before = {n: t.clone() for n, t in dst.items()}
-    assert loader.load(refs([6]), EVERY_LAYER) == [Status.FOREIGN]
+    assert loaded(loader, refs([6]), EVERY_LAYER) == [Status.FOREIGN]
     if device != "cpu":  # the host cache is written in place; vLLM recomputes the refused block
         assert all(torch.equal(dst[n], before[n]) for n in LAYERS)
 
@@ -90,7 +97,7 @@ def test_one_layer_values_move_only_that_layer(device_and_shape):
     saver.save(refs([2, 4]), LAYER_1, saver.device.record(), CopyHandoff())
     loader, dst, _ = make_io(device, shape, backend, seed=2)
     before = {n: t.clone() for n, t in dst.items()}
-    assert loader.load(refs([8, 9]), LAYER_1) == [Status.OK, Status.OK]
+    assert loaded(loader, refs([8, 9]), LAYER_1) == [Status.OK, Status.OK]
     assert torch.equal(dst["l0"], before["l0"]) and torch.equal(dst["l2"], before["l2"])
     assert not torch.equal(dst["l1"], before["l1"])
 
@@ -103,9 +110,27 @@ def test_abandoned_save_is_never_put():
     assert backend.batch_exists(saver.keys(refs([1]), EVERY_LAYER)) == [False]
 
 
+def test_batch_larger_than_the_staging_buffer_moves_chunk_by_chunk(device_and_shape, monkeypatch):
+    from vllm_aio.connector import block_io
+
+    device, shape = device_and_shape
+    saver, src, backend = make_io(device, shape, None, seed=1)
+    value = saver.value_bytes(EVERY_LAYER)
+    monkeypatch.setattr(block_io, "_CHUNK_BYTES", 2 * value)  # chunks of two values
+    dev = Device(torch.device(device))
+    saver._saves = InFlight(StagingBuffer(dev, 3 * value), dev)  # room for one chunk at a time
+    assert saver.save(refs(range(8)), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK] * 8
+    loader, dst, _ = make_io(device, shape, backend, seed=2)
+    loader._loads = InFlight(StagingBuffer(dev, 3 * value), dev)
+    assert loaded(loader, refs(range(4, 12)), EVERY_LAYER) == [Status.OK] * 8
+    blocks = (lambda t, ids: t[ids] if len(shape) == 4 else t[:, ids])
+    for n in LAYERS:
+        assert torch.equal(blocks(dst[n], list(range(4, 12))), blocks(src[n], list(range(8))))
+
+
 def test_save_without_staging_space_is_skipped_not_blocked():
     saver, _, backend = make_io("cpu", SHAPES["block_major"], None, seed=1)
-    saver._save_staging = StagingBuffer(Device(torch.device("cpu")), 100)
+    saver._saves = InFlight(StagingBuffer(Device(torch.device("cpu")), 100), Device(torch.device("cpu")))
     handoff = CopyHandoff()
     assert saver.save(refs([1]), EVERY_LAYER, None, handoff) == [Status.NO_SPACE]
     assert handoff.wait(0)
@@ -121,7 +146,7 @@ def test_batches_split_into_chunks_keep_every_block_and_every_status(device_and_
     loader, dst, _ = make_io(device, shape, backend, seed=2)
     wanted = refs([0, 5, 9, 11])
     wanted[2] = BlockRef(9, b"never stored")  # a hole in the middle of the batch
-    assert loader.load(wanted, EVERY_LAYER) == [Status.OK, Status.OK, Status.MISSING, Status.OK]
+    assert loaded(loader, wanted, EVERY_LAYER) == [Status.OK, Status.OK, Status.MISSING, Status.OK]
     blocks = (lambda t, ids: t[ids] if len(shape) == 4 else t[:, ids])
     for n in LAYERS:
         assert torch.equal(blocks(dst[n], [0, 5, 11]), blocks(src[n], [3, 7, 2]))

@@ -6,23 +6,31 @@ layer with layerwise transfer. Every value is ``header + payload``
 have written for that key is refused (``CORRUPT``) before its payload reaches
 the device.
 
-Loads, on the receiving thread:
+Batches move in chunks of about ``_CHUNK_BYTES``, each with its own staging
+slice, so a batch larger than the staging buffer still moves (waiting for
+space instead of failing) and, on accelerators, the pool copy of one chunk
+overlaps the host-device copy of the previous one.
+
+Loads (receiving thread, or the forward thread for synchronous loads):
 * host KV cache (CPU): the backend copies the payload straight into the cache
   blocks and the header into a staging slice; a refused value's bytes are
   overwritten when vLLM recomputes the block;
 * accelerator: the backend copies whole values into page-locked staging; the
   headers are checked there, then one host-to-device copy and one on-device
-  scatter per plane move the accepted blocks, on the transfer stream.
+  scatter per plane move the accepted blocks, on the transfer stream. The
+  caller gets the stream's event and makes the compute stream wait on it;
+  nobody blocks on the copy.
 
-Saves, on the sending thread: the blocks are gathered into staging (on an
-accelerator: on-device gather, one device-to-host copy, after the compute
-stream's event for that layer), then ``copy_done`` tells the forward thread
+Saves (sending thread): the blocks are gathered into staging (on an
+accelerator: an on-device gather after the compute stream's event for that
+layer, then a device-to-host copy), ``CopyHandoff`` tells the forward thread
 the cache blocks may be reused, and the pool put runs from staging.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,7 +38,7 @@ import torch
 
 from vllm_aio.backends import Backend, Status
 from vllm_aio.connector.block_layout import BlockLayout
-from vllm_aio.connector.staging import StagingBuffer
+from vllm_aio.connector.staging import InFlight, Slice, StagingBuffer
 from vllm_aio.device import Device
 from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader, describe
@@ -61,6 +69,11 @@ class CopyHandoff:
         self._done = threading.Event()
         self._abandoned = False
 
+    def held(self) -> bool:
+        """Called by the save after copying part of the blocks: False if abandoned."""
+        with self._lock:
+            return not self._abandoned
+
     def copied(self) -> bool:
         """Called by the save after its copy: False if it was abandoned meanwhile."""
         with self._lock:
@@ -89,10 +102,10 @@ class BlockIO:
         self._layout = layout
         self._backend = backend
         self._header = header
-        self._load_staging = load_staging
-        self._save_staging = save_staging
         self._timeout = timeout
         self.device = Device(layout.device)
+        self._loads = InFlight(load_staging, self.device)
+        self._saves = InFlight(save_staging, self.device)
         self._stream = self.device.new_stream()
 
     def value_bytes(self, unit: Unit) -> int:
@@ -113,72 +126,55 @@ class BlockIO:
         return [header.pack(b.block_hash) for b in blocks]
 
     # ---- loads -------------------------------------------------------------
-    def load(self, blocks: Sequence[BlockRef], unit: Unit) -> list[Status]:
-        """Pool -> KV cache; the cache holds the accepted blocks when this returns."""
-        if not blocks:
-            return []
-        if self.device.is_host:
-            return self._load_into_host_cache(blocks, unit)
-        return self._load_through_staging(blocks, unit)
-
-    def _load_into_host_cache(self, blocks: Sequence[BlockRef], unit: Unit) -> list[Status]:
-        n = len(blocks)
-        piece = self._load_staging.allocate(n * HEADER_BYTES, self._timeout)
-        if piece is None:
-            return [Status.ERROR] * n
-        try:
-            segments = [
-                [(piece.address + i * HEADER_BYTES, HEADER_BYTES)]
-                + self._layout.segments(b.block_id, unit.layers)
-                for i, b in enumerate(blocks)
-            ]
-            statuses = self._backend.batch_get(self.keys(blocks, unit), segments)
-            return _check_headers(piece.tensor.view(n, HEADER_BYTES), self._headers(blocks, unit), statuses)
-        finally:
-            self._load_staging.release(piece)
-
-    def _load_through_staging(self, blocks: Sequence[BlockRef], unit: Unit) -> list[Status]:
-        n, value = len(blocks), self.value_bytes(unit)
-        piece = self._load_staging.allocate(n * value, self._timeout)
-        if piece is None:
-            return [Status.ERROR] * n
-        try:
-            rows = piece.tensor.view(n, value)
-            keys, headers = self.keys(blocks, unit), self._headers(blocks, unit)
-            statuses: list[Status] = []
-            done = None
-            # Chunks pipeline the pool copy of chunk k+1 with chunk k's
-            # host-to-device copy and scatter on the transfer stream.
-            for start in range(0, n, self._chunk_rows(value)):
-                end = min(n, start + self._chunk_rows(value))
-                segments = [[(piece.address + i * value, value)] for i in range(start, end)]
-                got = self._backend.batch_get(keys[start:end], segments)
-                got = _check_headers(rows[start:end, :HEADER_BYTES], headers[start:end], got)
+    def load(self, blocks: Sequence[BlockRef], unit: Unit) -> tuple[list[Status], torch.Event | None]:
+        """Pool -> KV cache. Returns a status per block and the event after
+        which the cache holds the accepted ones (None: it does already)."""
+        statuses: list[Status] = []
+        event = None
+        value = HEADER_BYTES if self.device.is_host else self.value_bytes(unit)
+        for start, end in _chunks(len(blocks), self.value_bytes(unit)):
+            piece = self._loads.allocate((end - start) * value, self._timeout)
+            if piece is None:  # no staging within the timeout
+                statuses += [Status.ERROR] * (end - start)
+                continue
+            chunk = blocks[start:end]
+            try:
+                if self.device.is_host:
+                    statuses += self._load_into_host_cache(chunk, unit, piece)
+                    continue
+                got, event = self._load_through_staging(chunk, unit, piece, event)
                 statuses += got
-                accepted = [start + i for i, s in enumerate(got) if s is Status.OK]
-                if accepted:
-                    done = self._to_device(rows, start, end, accepted, blocks, unit)
-            # The staging slice is reused once the copies have read it.
-            self.device.synchronize(done)
-            return statuses
-        finally:
-            self._load_staging.release(piece)
+            finally:
+                self._loads.hold(piece, None if self.device.is_host else event)
+        return statuses, event
 
-    def _to_device(
-        self, rows: torch.Tensor, start: int, end: int, accepted: list[int], blocks: Sequence[BlockRef], unit: Unit
-    ) -> torch.Event | None:
+    def _load_into_host_cache(self, blocks: Sequence[BlockRef], unit: Unit, piece: Slice) -> list[Status]:
+        segments = [
+            [(piece.address + i * HEADER_BYTES, HEADER_BYTES)] + self._layout.segments(b.block_id, unit.layers)
+            for i, b in enumerate(blocks)
+        ]
+        statuses = self._backend.batch_get(self.keys(blocks, unit), segments)
+        return _check_headers(piece.tensor.view(len(blocks), HEADER_BYTES), self._headers(blocks, unit), statuses)
+
+    def _load_through_staging(
+        self, blocks: Sequence[BlockRef], unit: Unit, piece: Slice, event: torch.Event | None
+    ) -> tuple[list[Status], torch.Event | None]:
+        n, value = len(blocks), self.value_bytes(unit)
+        rows = piece.tensor.view(n, value)
+        segments = [[(piece.address + i * value, value)] for i in range(n)]
+        statuses = self._backend.batch_get(self.keys(blocks, unit), segments)
+        statuses = _check_headers(rows[:, :HEADER_BYTES], self._headers(blocks, unit), statuses)
+        accepted = [i for i, s in enumerate(statuses) if s is Status.OK]
+        if not accepted:
+            return statuses, event
         with self.device.on(self._stream):
-            scratch = self.device.empty(rows[start:end].numel()).view(end - start, -1)
-            scratch.copy_(rows[start:end], non_blocking=True)
-            if len(accepted) < end - start:
-                scratch = scratch.index_select(0, self._on_device([i - start for i in accepted]))
+            scratch = self.device.empty(rows.numel()).view(n, value)
+            scratch.copy_(rows, non_blocking=True)
+            if len(accepted) < n:
+                scratch = scratch.index_select(0, self._on_device(accepted))
             ids = self._on_device([blocks[i].block_id for i in accepted])
             self._layout.scatter(scratch[:, HEADER_BYTES:], ids, unit.layers)
-            return self.device.record(self._stream)
-
-    @staticmethod
-    def _chunk_rows(value: int) -> int:
-        return max(1, _CHUNK_BYTES // value)
+            return statuses, self.device.record(self._stream)
 
     # ---- saves -------------------------------------------------------------
     def save(
@@ -187,65 +183,93 @@ class BlockIO:
         """KV cache -> staging (then ``handoff``) -> pool.
 
         ``computed``: an event after the forward wrote these blocks (None on CPU,
-        where the hooks run after the writes in program order).
+        where the hooks run after the writes in program order). Chunks copied
+        out are put as staging runs short, the rest once every block is out.
         """
-        n, value = len(blocks), self.value_bytes(unit)
-        piece = self._save_staging.allocate(n * value, self._timeout) if blocks else None
-        if piece is None:
-            handoff.copied()
-            return [Status.NO_SPACE] * n
+        statuses: list[Status] = []
+        pending: deque[_Copied] = deque()
+        chunks = _chunks(len(blocks), self.value_bytes(unit))
         try:
-            rows = piece.tensor.view(n, value)
-            try:
-                copied = self._gather(blocks, unit, computed, rows)
-            finally:
-                keep = handoff.copied()
-            if not keep:
-                return [Status.ERROR] * n
-            keys = self.keys(blocks, unit)
-            headers = bytearray(b"".join(self._headers(blocks, unit)))
-            statuses: list[Status] = []
-            # Each chunk is put as soon as its device-to-host copy is done.
-            for (start, end), event in copied:
-                self.device.synchronize(event)
-                rows[start:end, :HEADER_BYTES] = torch.frombuffer(
-                    headers, dtype=torch.uint8, offset=start * HEADER_BYTES, count=(end - start) * HEADER_BYTES
-                ).view(end - start, HEADER_BYTES)
-                segments = [[(piece.address + i * value, value)] for i in range(start, end)]
-                statuses += self._backend.batch_put(keys[start:end], segments)
-            return statuses
+            for start, end in chunks:
+                piece = self._save_slice((end - start) * self.value_bytes(unit), pending, statuses, handoff)
+                if piece is None or not handoff.held():
+                    if piece is not None:
+                        self._saves.hold(piece, None)
+                    break
+                pending.append(self._copy_out(blocks[start:end], unit, computed, piece))
+                computed = None  # later chunks follow on the same stream
+            if pending:  # the last gather also covers the earlier ones (stream order)
+                self.device.synchronize(pending[-1].gathered)
         finally:
-            self._save_staging.release(piece)
+            keep = handoff.copied()
+        while pending:
+            statuses += self._put(pending.popleft(), keep)
+        return statuses + [Status.NO_SPACE if keep else Status.ERROR] * (len(blocks) - len(statuses))
 
-    def _gather(
-        self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, rows: torch.Tensor
-    ) -> list[tuple[tuple[int, int], torch.Event | None]]:
-        """Copies the blocks out of the cache; returns row chunks with their copy events.
+    def _save_slice(
+        self, nbytes: int, pending: deque["_Copied"], statuses: list[Status], handoff: CopyHandoff
+    ) -> Slice | None:
+        """Staging for the next chunk; puts earlier chunks of this save to make room."""
+        while (piece := self._saves.allocate(nbytes, 0)) is None and pending:
+            oldest = pending.popleft()
+            self.device.synchronize(oldest.gathered)
+            statuses += self._put(oldest, handoff.held())
+        return piece or self._saves.allocate(nbytes, self._timeout)
 
-        When this returns the cache blocks may be reused: on an accelerator they
-        were gathered into device scratch, which the chunked copies to host read.
-        """
-        n = len(blocks)
+    def _copy_out(
+        self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, piece: Slice
+    ) -> "_Copied":
+        rows = piece.tensor.view(len(blocks), -1)
         ids = [b.block_id for b in blocks]
         if self.device.is_host:
             self._layout.gather(torch.tensor(ids), unit.layers, rows[:, HEADER_BYTES:])
-            return [((0, n), None)]
-        step = self._chunk_rows(rows.shape[1])
-        chunks = []
+            return _Copied(blocks, unit, piece, None, None)
         with self.device.on(self._stream):
             self.device.wait(computed, self._stream)
             scratch = self.device.empty(rows.numel()).view(rows.shape)
             self._layout.gather(self._on_device(ids), unit.layers, scratch[:, HEADER_BYTES:])
             gathered = self.device.record(self._stream)
-            for start in range(0, n, step):
-                end = min(n, start + step)
-                rows[start:end].copy_(scratch[start:end], non_blocking=True)
-                chunks.append(((start, end), self.device.record(self._stream)))
-        self.device.synchronize(gathered)
-        return chunks
+            rows.copy_(scratch, non_blocking=True)
+            return _Copied(blocks, unit, piece, gathered, self.device.record(self._stream))
+
+    def _put(self, chunk: "_Copied", keep: bool) -> list[Status]:
+        """Pool put of one copied chunk, unless its copy may be torn (``keep`` False)."""
+        n = len(chunk.blocks)
+        try:
+            if not keep:
+                return [Status.ERROR] * n
+            self.device.synchronize(chunk.in_staging)
+            rows = chunk.piece.tensor.view(n, -1)
+            headers = bytearray(b"".join(self._headers(chunk.blocks, chunk.unit)))
+            rows[:, :HEADER_BYTES] = torch.frombuffer(headers, dtype=torch.uint8).view(n, HEADER_BYTES)
+            value = rows.shape[1]
+            segments = [[(chunk.piece.address + i * value, value)] for i in range(n)]
+            return self._backend.batch_put(self.keys(chunk.blocks, chunk.unit), segments)
+        finally:
+            self._saves.hold(chunk.piece, None)
 
     def _on_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self._layout.device, non_blocking=True)
+
+
+@dataclass
+class _Copied:
+    """A chunk of a save, out of the cache (``gathered``) and on its way to staging."""
+
+    blocks: Sequence[BlockRef]
+    unit: Unit
+    piece: Slice
+    gathered: torch.Event | None  # after this the cache blocks may be reused
+    in_staging: torch.Event | None  # after this the staging rows hold the values
+
+
+def _chunks(n: int, value_bytes: int) -> list[tuple[int, int]]:
+    """Even [start, end) row ranges of at most about _CHUNK_BYTES each."""
+    if n == 0:
+        return []
+    count = -(-n * value_bytes // _CHUNK_BYTES)
+    rows = -(-n // count)
+    return [(start, min(n, start + rows)) for start in range(0, n, rows)]
 
 
 def _check_headers(stored: torch.Tensor, expected: list[bytes], statuses: list[Status]) -> list[Status]:

@@ -10,7 +10,8 @@ more than the copy.
 Slices are handed out ring-wise: transfers finish roughly in the order they
 started, so a slice freed out of order only waits for the older ones ahead of
 it. When the ring is full, ``allocate`` waits (bounded) for a release: a slow
-pool slows saves down instead of growing memory without limit.
+pool slows saves down instead of growing memory without limit. ``InFlight``
+hands slices back when the device copies using them complete.
 """
 
 from __future__ import annotations
@@ -84,3 +85,42 @@ class StagingBuffer:
                 return self._head
             return 0 if nbytes <= tail else None
         return self._head if self._head + nbytes <= tail else None  # free: [head, tail)
+
+
+class InFlight:
+    """Slices of one staging buffer that device copies still read or fill.
+
+    A slice goes back to the buffer once its copy's event has completed, so
+    the thread that queued the copy never waits for it unless it needs the
+    space: then it waits for the oldest copy only.
+    """
+
+    def __init__(self, staging: StagingBuffer, device: Device) -> None:
+        self.staging = staging
+        self._device = device
+        self._slices: deque[tuple[Slice, torch.Event | None]] = deque()  # oldest first
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int, timeout: float) -> Slice | None:
+        while True:
+            with self._lock:
+                while self._slices and _completed(self._slices[0][1]):
+                    self.staging.release(self._slices.popleft()[0])
+                oldest = self._slices[0][1] if self._slices else None
+            if (piece := self.staging.allocate(nbytes, 0)) is not None:
+                return piece
+            if oldest is None:  # nothing of ours to wait for: others hold the space
+                return self.staging.allocate(nbytes, timeout)
+            self._device.synchronize(oldest)
+
+    def hold(self, piece: Slice, event: torch.Event | None) -> None:
+        """Release ``piece`` once ``event`` (None: now) has completed."""
+        if event is None:
+            self.staging.release(piece)
+            return
+        with self._lock:
+            self._slices.append((piece, event))
+
+
+def _completed(event: torch.Event | None) -> bool:
+    return event is None or event.query()

@@ -67,7 +67,7 @@ class _Batch:
 class _Load:
     batch: _Batch
     unit: Unit
-    future: "Future[list[Status]]"
+    future: "Future[tuple[list[Status], torch.Event | None]]"
     started: float
 
 
@@ -175,7 +175,8 @@ class AioWorker:
         else:
             batch, started = self._load_batch(meta.loads), time.perf_counter()
             try:
-                statuses = self._io.load(batch.blocks, self._units[0])
+                statuses, copied = self._io.load(batch.blocks, self._units[0])
+                self._io.device.wait(copied)  # the forward runs after the copies
             except Exception as exc:
                 statuses = self._pool_failed(exc, batch)
             self._finish_load(batch, self._units[0], statuses, started)
@@ -221,7 +222,8 @@ class AioWorker:
             self._fail_load(load.batch, "timeout")
             return
         try:
-            statuses = load.future.result(timeout=self._cfg.transfer_timeout)
+            statuses, copied = load.future.result(timeout=self._cfg.transfer_timeout)
+            self._io.device.wait(copied)  # this layer's attention runs after its copies
         except FutureTimeout:
             self._stalled = True
             logger.warning(
@@ -241,11 +243,13 @@ class AioWorker:
         for req_id, load in list(self._async_loads.items()):
             if not load.future.done():
                 continue
-            del self._async_loads[req_id]
             try:
-                statuses = load.future.result()
+                statuses, copied = load.future.result()
+                if copied is not None and not copied.query():
+                    continue  # still on its way to the device
             except Exception as exc:
                 statuses = self._pool_failed(exc, load.batch)
+            del self._async_loads[req_id]
             self._finish_load(load.batch, load.unit, statuses, load.started)
             done.add(req_id)
         return done
