@@ -16,7 +16,7 @@ from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff
 from vllm_aio.connector.block_layout import BlockLayout
-from vllm_aio.connector.staging import InFlight, StagingBuffer
+from vllm_aio.connector.staging import StagingBuffer
 from vllm_aio.device import Device
 from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader
 from vllm_aio.pool.keys import Unit
@@ -118,10 +118,10 @@ def test_batch_larger_than_the_staging_buffer_moves_chunk_by_chunk(device_and_sh
     value = saver.value_bytes(EVERY_LAYER)
     monkeypatch.setattr(block_io, "_CHUNK_BYTES", 2 * value)  # chunks of two values
     dev = Device(torch.device(device))
-    saver._saves = InFlight(StagingBuffer(dev, 3 * value), dev)  # room for one chunk at a time
+    saver._saves = StagingBuffer(dev, 3 * value)  # room for one chunk at a time
     assert saver.save(refs(range(8)), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK] * 8
     loader, dst, _ = make_io(device, shape, backend, seed=2)
-    loader._loads = InFlight(StagingBuffer(dev, 3 * value), dev)
+    loader._loads = StagingBuffer(dev, 3 * value)
     assert loaded(loader, refs(range(4, 12)), EVERY_LAYER) == [Status.OK] * 8
     blocks = (lambda t, ids: t[ids] if len(shape) == 4 else t[:, ids])
     for n in LAYERS:
@@ -130,7 +130,7 @@ def test_batch_larger_than_the_staging_buffer_moves_chunk_by_chunk(device_and_sh
 
 def test_save_without_staging_space_is_skipped_not_blocked():
     saver, _, backend = make_io("cpu", SHAPES["block_major"], None, seed=1)
-    saver._saves = InFlight(StagingBuffer(Device(torch.device("cpu")), 100), Device(torch.device("cpu")))
+    saver._saves = StagingBuffer(Device(torch.device("cpu")), 100)
     handoff = CopyHandoff()
     assert saver.save(refs([1]), EVERY_LAYER, None, handoff) == [Status.NO_SPACE]
     assert handoff.wait(0)

@@ -59,3 +59,33 @@ def test_slice_tensor_views_its_bytes_of_the_buffer():
     s.tensor.fill_(7)
     assert s.address == buf.address + 10
     assert buf.buffer[10:30].eq(7).all()
+
+
+class _Copy:
+    """A stand-in device event: completes when told to, or when waited for."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_slice_released_after_a_copy_returns_once_the_copy_completes():
+    buf = StagingBuffer(HOST, 100)
+    a = buf.allocate(100, 0)
+    copy = _Copy()
+    buf.release(a, after=copy)
+    copy.done = True
+    assert buf.allocate(100, 0) is not None
+
+
+def test_full_buffer_waits_for_the_oldest_copy_instead_of_timing_out():
+    buf = StagingBuffer(HOST, 100)
+    copy = _Copy()
+    buf.release(buf.allocate(100, 0), after=copy)
+    assert buf.allocate(100, 0) is not None  # Device.synchronize(copy) completed it
+    assert copy.done

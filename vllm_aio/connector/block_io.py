@@ -38,7 +38,7 @@ import torch
 
 from vllm_aio.backends import Backend, Status
 from vllm_aio.connector.block_layout import BlockLayout
-from vllm_aio.connector.staging import InFlight, Slice, StagingBuffer
+from vllm_aio.connector.staging import Slice, StagingBuffer
 from vllm_aio.device import Device
 from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader, describe
@@ -104,8 +104,8 @@ class BlockIO:
         self._header = header
         self._timeout = timeout
         self.device = Device(layout.device)
-        self._loads = InFlight(load_staging, self.device)
-        self._saves = InFlight(save_staging, self.device)
+        self._loads = load_staging
+        self._saves = save_staging
         self._stream = self.device.new_stream()
 
     def value_bytes(self, unit: Unit) -> int:
@@ -145,7 +145,7 @@ class BlockIO:
                 got, event = self._load_through_staging(chunk, unit, piece, event)
                 statuses += got
             finally:
-                self._loads.hold(piece, None if self.device.is_host else event)
+                self._loads.release(piece, after=None if self.device.is_host else event)
         return statuses, event
 
     def _load_into_host_cache(self, blocks: Sequence[BlockRef], unit: Unit, piece: Slice) -> list[Status]:
@@ -194,7 +194,7 @@ class BlockIO:
                 piece = self._save_slice((end - start) * self.value_bytes(unit), pending, statuses, handoff)
                 if piece is None or not handoff.held():
                     if piece is not None:
-                        self._saves.hold(piece, None)
+                        self._saves.release(piece)
                     break
                 pending.append(self._copy_out(blocks[start:end], unit, computed, piece))
                 computed = None  # later chunks follow on the same stream
@@ -246,7 +246,7 @@ class BlockIO:
             segments = [[(chunk.piece.address + i * value, value)] for i in range(n)]
             return self._backend.batch_put(self.keys(chunk.blocks, chunk.unit), segments)
         finally:
-            self._saves.hold(chunk.piece, None)
+            self._saves.release(chunk.piece)
 
     def _on_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self._layout.device, non_blocking=True)

@@ -10,8 +10,10 @@ more than the copy.
 Slices are handed out ring-wise: transfers finish roughly in the order they
 started, so a slice freed out of order only waits for the older ones ahead of
 it. When the ring is full, ``allocate`` waits (bounded) for a release: a slow
-pool slows saves down instead of growing memory without limit. ``InFlight``
-hands slices back when the device copies using them complete.
+pool slows saves down instead of growing memory without limit. A slice still
+read or filled by a device copy is released *after* that copy's event: it
+returns to the ring once the event has completed, and an allocation that finds
+no room waits for the oldest such copy rather than for a timeout.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ class StagingBuffer:
     def __init__(self, device: Device, nbytes: int) -> None:
         self.buffer = device.host_buffer(nbytes)
         self.capacity = nbytes
+        self._device = device
         self._live: deque[Slice] = deque()  # oldest first; guarded by _cond
+        self._after: deque[tuple[Slice, torch.Event]] = deque()  # released once the event completes
         self._head = 0  # where the next slice starts
         self._cond = threading.Condition()
 
@@ -55,26 +59,42 @@ class StagingBuffer:
         if nbytes > self.capacity:
             return None
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while (start := self._fit(nbytes)) is None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
-                    if (start := self._fit(nbytes)) is None:
+        while True:
+            with self._cond:
+                self._release_completed()
+                if (start := self._fit(nbytes)) is not None:
+                    piece = Slice(start, start + nbytes, self.buffer[start : start + nbytes])
+                    self._live.append(piece)
+                    self._head = piece.end
+                    return piece
+                oldest = self._after[0][1] if self._after else None
+                if oldest is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
                         return None
-                    break
-            piece = Slice(start, start + nbytes, self.buffer[start : start + nbytes])
-            self._live.append(piece)
-            self._head = piece.end
-            return piece
+                    self._cond.wait(left)
+                    continue
+            self._device.synchronize(oldest)  # outside the lock: copies finish on their own
 
-    def release(self, piece: Slice) -> None:
+    def release(self, piece: Slice, after: torch.Event | None = None) -> None:
+        """Give ``piece`` back, at once or once the copy behind ``after`` has completed."""
         with self._cond:
-            piece.released = True
-            while self._live and self._live[0].released:
-                self._live.popleft()
-            if not self._live:
-                self._head = 0
-            self._cond.notify_all()
+            if after is not None:
+                self._after.append((piece, after))
+                return
+            self._free(piece)
+
+    def _release_completed(self) -> None:
+        while self._after and _completed(self._after[0][1]):
+            self._free(self._after.popleft()[0])
+
+    def _free(self, piece: Slice) -> None:
+        piece.released = True
+        while self._live and self._live[0].released:
+            self._live.popleft()
+        if not self._live:
+            self._head = 0
+        self._cond.notify_all()
 
     def _fit(self, nbytes: int) -> int | None:
         if not self._live:
@@ -86,40 +106,6 @@ class StagingBuffer:
             return 0 if nbytes <= tail else None
         return self._head if self._head + nbytes <= tail else None  # free: [head, tail)
 
-
-class InFlight:
-    """Slices of one staging buffer that device copies still read or fill.
-
-    A slice goes back to the buffer once its copy's event has completed, so
-    the thread that queued the copy never waits for it unless it needs the
-    space: then it waits for the oldest copy only.
-    """
-
-    def __init__(self, staging: StagingBuffer, device: Device) -> None:
-        self.staging = staging
-        self._device = device
-        self._slices: deque[tuple[Slice, torch.Event | None]] = deque()  # oldest first
-        self._lock = threading.Lock()
-
-    def allocate(self, nbytes: int, timeout: float) -> Slice | None:
-        while True:
-            with self._lock:
-                while self._slices and _completed(self._slices[0][1]):
-                    self.staging.release(self._slices.popleft()[0])
-                oldest = self._slices[0][1] if self._slices else None
-            if (piece := self.staging.allocate(nbytes, 0)) is not None:
-                return piece
-            if oldest is None:  # nothing of ours to wait for: others hold the space
-                return self.staging.allocate(nbytes, timeout)
-            self._device.synchronize(oldest)
-
-    def hold(self, piece: Slice, event: torch.Event | None) -> None:
-        """Release ``piece`` once ``event`` (None: now) has completed."""
-        if event is None:
-            self.staging.release(piece)
-            return
-        with self._lock:
-            self._slices.append((piece, event))
 
 
 def _completed(event: torch.Event | None) -> bool:
