@@ -2,62 +2,93 @@
 
 Each step writes new K/V into some blocks of every layer (as vLLM's cache
 update does, right before the layer's attention) and then "attends": reads
-every resident block of the layer and compares it with a reference cache that
-keeps all layers. Runs on the CPU and, where present, on CUDA (the path with
-streams, events and page-locked staging).
+every block of the step (the loaded ones and the written ones) and compares
+it with a reference cache that keeps all layers. Runs on the CPU and, where
+present, on CUDA (the path with streams, events and page-locked memory), with
+blocks moved through staging, in place (runs of consecutive blocks), or both.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_device import registered
 
-from vllm_aio.connector.layer_buffer import BufferStep, LayerBuffer
+from vllm_aio.connector import block_layout
+from vllm_aio.connector.block_layout import BlockLayout
+from vllm_aio.connector.layer_buffer import BufferStep, LayerBuffer, _even_chunks, _runs
 
 NUM_BLOCKS, PAGE = 24, (2, 16, 32)  # [blocks, K/V, tokens, channels]
+PAGE_BYTES = 2 * 16 * 32 * 2  # bf16
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Staged only; in place only; runs of 3 blocks or more in place, the rest staged.
+COPIES = {"staged": 1 << 40, "in_place": 0, "mixed": 3 * PAGE_BYTES}
 
 
 class Model:
     """L layer views on S buffers of one allocation, plus the reference cache."""
 
-    def __init__(self, device: str, layers: int, buffers: int, staging: int = 1 << 20):
+    def __init__(self, device: str, layers: int, buffers: int, staging: int = 1 << 20, copies: str = "mixed",
+                 shape: tuple[int, ...] = (NUM_BLOCKS, *PAGE)):
+        self.device = device
         self.names = [f"layer.{i}" for i in range(layers)]
-        backing = torch.zeros(buffers, NUM_BLOCKS, *PAGE, dtype=torch.bfloat16, device=device)
+        backing = torch.zeros(buffers, *shape, dtype=torch.bfloat16, device=device)
         self.views = {n: backing[i % buffers] for i, n in enumerate(self.names)}
-        self.truth = {n: torch.zeros(NUM_BLOCKS, *PAGE, dtype=torch.bfloat16, device=device) for n in self.names}
-        self.buffer = LayerBuffer(self.views, self.names, NUM_BLOCKS, buffers, staging)
+        self.truth = {n: torch.zeros(*shape, dtype=torch.bfloat16, device=device) for n in self.names}
+        self.kv_split = shape[0] == 2  # [2, blocks, ...]: K and V apart, two planes per layer
+        self.buffer = LayerBuffer(self.views, self.names, NUM_BLOCKS, buffers, staging, COPIES[copies])
+        for host in self.buffer.host_caches.values():  # like the reference (the memory may be reused)
+            host.zero_()
         self.generator = torch.Generator().manual_seed(0)
 
-    def step(self, resident: list[int], written: list[int], **updates) -> list[str]:
+    def blocks(self, t: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        return t[:, ids] if self.kv_split else t[ids]
+
+    def step(self, resident: list[int], written: list[int], after_layer=None, **updates) -> list[str]:
         """One forward; returns the layers whose attention saw wrong KV."""
         wrong = []
         step = BufferStep(resident=resident, written=written, **updates)
         self._apply_to_truth(step)
         self.buffer.begin_step(step)
+        read = sorted(set(resident) | set(written))
         for i, name in enumerate(self.names):
-            new = torch.randn(len(written), *PAGE, generator=self.generator).to(torch.bfloat16)
-            self.views[name][written] = new.to(self.views[name].device)  # vLLM's cache update
-            self.truth[name][written] = new.to(self.truth[name].device)
-            if not torch.equal(self.views[name][resident], self.truth[name][resident]):
+            new = torch.randn(*self.blocks(self.truth[name], written).shape, generator=self.generator)
+            new = new.to(torch.bfloat16)
+            self._set(self.views[name], written, new)  # vLLM's cache update
+            self._set(self.truth[name], written, new)
+            if not torch.equal(self.blocks(self.views[name], read), self.blocks(self.truth[name], read)):
                 wrong.append(name)
             self.buffer.layer_done(i)
+            if after_layer is not None:
+                after_layer(i)
             if i + 1 < len(self.names):
                 self.buffer.before_layer(i + 1)
         self.buffer.end_step()
         return wrong
 
+    def host_matches(self, layer: int, ids: list[int]) -> bool:
+        name = self.names[layer]
+        host = self.blocks(self.buffer.host_caches[name], ids)
+        return torch.equal(host, self.blocks(self.truth[name], ids).cpu())
+
+    def _set(self, t: torch.Tensor, ids: list[int], value: torch.Tensor) -> None:
+        if self.kv_split:
+            t[:, ids] = value.to(t.device)
+        else:
+            t[ids] = value.to(t.device)
+
     def _apply_to_truth(self, step: BufferStep) -> None:
         for t in self.truth.values():
-            t[step.zeroed] = 0
+            self._set(t, step.zeroed, torch.zeros_like(self.blocks(t, step.zeroed)))
             for src, dst in step.copies:
-                t[dst] = t[src]
+                self._set(t, [dst], self.blocks(t, [src]).clone())
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("copies", COPIES)
 @pytest.mark.parametrize("layers,buffers", [(6, 2), (6, 3), (7, 2)])
-def test_every_layer_attends_over_its_own_kv(device, layers, buffers):
-    model = Model(device, layers, buffers)
+def test_every_layer_attends_over_its_own_kv(device, copies, layers, buffers):
+    model = Model(device, layers, buffers, copies=copies)
     assert model.step(resident=list(range(8)), written=list(range(8))) == []  # prefill
     for decode in range(3):
         assert model.step(resident=list(range(9)), written=[8]) == []
@@ -67,23 +98,142 @@ def test_every_layer_attends_over_its_own_kv(device, layers, buffers):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_zeroed_and_copied_blocks_reach_the_host_copy(device):
-    model = Model(device, 6, 2)
+@pytest.mark.parametrize("copies", COPIES)
+def test_steps_as_the_scheduler_sends_them_load_only_earlier_tokens(device, copies):
+    # Prefill without a prefix loads nothing; decodes load the full blocks (and a partly full last one).
+    model = Model(device, 6, 2, copies=copies)
+    assert model.step(resident=[], written=[3, 4, 5, 6, 7, 9, 10]) == []
+    assert model.step(resident=[3, 4, 5, 6, 7, 9, 10], written=[11]) == []  # token starts block 11
+    assert model.step(resident=[3, 4, 5, 6, 7, 9, 10, 11], written=[11]) == []
+    assert model.step(resident=[3, 4, 5], written=[5, 12, 13]) == []  # a second request on a cached prefix
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("resident,written", [([], []), ([], [0, 1, 2]), ([0, 1, 2], []), ([0, 5], [])])
+def test_empty_block_lists_are_no_ops(device, resident, written):
+    model = Model(device, 5, 2)
+    assert model.step(resident=[0, 1, 2, 5], written=[0, 1, 2, 5]) == []
+    assert model.step(resident=resident, written=written) == []
+    assert model.step(resident=[0, 1, 2, 5], written=[6]) == []  # the host copy is intact
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("copies", COPIES)
+def test_zeroed_and_copied_blocks_reach_the_host_copy(device, copies):
+    model = Model(device, 6, 2, copies=copies)
     assert model.step(resident=list(range(6)), written=list(range(6))) == []
     assert model.step(resident=[2, 3, 7, 9], written=[9], zeroed=[9], copies=[(2, 7)]) == []
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("copies", COPIES)
+def test_kv_split_layout_moves_both_planes(device, copies):
+    model = Model(device, 5, 2, copies=copies, shape=(2, NUM_BLOCKS, 16, 4, 8))
+    # Planes of 1 KiB: "mixed" copies runs of 6 blocks or more in place.
+    assert model.step(resident=[], written=[*range(8), 9]) == []
+    assert model.step(resident=[*range(8), 9], written=[9, 10]) == []
+    assert model.step(resident=list(range(11)), written=[11], copies=[(0, 13)]) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_small_staging_moves_layers_in_chunks(device):
-    page = 2 * 16 * 32 * 2
-    model = Model(device, 6, 2, staging=4 * 3 * page)  # chunks of 3 blocks
+    model = Model(device, 6, 2, staging=4 * 3 * PAGE_BYTES, copies="staged")  # chunks of 3 blocks
     assert model.step(resident=list(range(20)), written=list(range(20))) == []
     assert model.step(resident=list(range(21)), written=[20]) == []
 
 
-def test_without_the_buffer_the_check_fails():
-    # Negative control: views aliased onto 2 buffers with no streaming serve stale KV.
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_backs_complete_during_the_step(device):
+    # Staging for 4 chunks of 3 blocks, each layer writes back 7 chunks: the step must
+    # complete write-backs as it goes, never by calling end_step in its middle.
+    model = Model(device, 6, 2, staging=4 * 3 * PAGE_BYTES, copies="staged")
+    written = list(range(0, 21))
+    end_steps = []
+    end_step = model.buffer.end_step
+    model.buffer.end_step = lambda: (end_steps.append(1), end_step())[1]
+    landed = []
+
+    def check_earlier_layer(layer: int) -> None:
+        if layer >= 1:  # layer_done(layer) completed layer - 1's write-back, whose copies had landed
+            landed.append(model.host_matches(layer - 1, written))
+        if device == "cuda":
+            torch.cuda.synchronize()  # what the forward's next layer takes, at least
+
+    assert model.step(resident=[], written=written, after_layer=check_earlier_layer) == []
+    assert end_steps == [1]  # only the model's own, at the end
+    assert landed == [True] * 5
+    assert all(model.host_matches(i, written) for i in range(6))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_copies_spread_over_threads(device, monkeypatch):
+    monkeypatch.setenv("VLLM_AIO_COPY_THREADS", "4")
+    monkeypatch.setattr(block_layout, "MIN_PART_BYTES", 2 * PAGE_BYTES)
+    model = Model(device, 4, 2, copies="staged")
+    assert model.step(resident=[], written=list(range(0, 24, 2))) == []
+    assert model.step(resident=list(range(0, 24, 2)), written=[1, 3, 5, 7, 9, 11, 13]) == []
+
+
+@pytest.mark.parametrize("threads", ["1", "4"])
+@pytest.mark.parametrize("shape", [(NUM_BLOCKS, *PAGE), (2, NUM_BLOCKS, 16, 4, 8)])
+def test_host_fast_paths_match_gather_and_scatter(threads, shape, monkeypatch):
+    monkeypatch.setenv("VLLM_AIO_COPY_THREADS", threads)
+    monkeypatch.setattr(block_layout, "MIN_PART_BYTES", PAGE_BYTES)
+    g = torch.Generator().manual_seed(1)
+    caches = {n: torch.randn(shape, generator=g).to(torch.bfloat16) for n in ("a", "b")}
+    layout = BlockLayout(caches, ["a", "b"], NUM_BLOCKS)
+    ids = torch.tensor([0, 3, 4, 5, 9, 17, 23])
+    rows = torch.empty(len(ids), layout.layer_bytes(1), dtype=torch.uint8)
+    layout.gather(ids, [1], rows)
+    planes = torch.empty(len(ids) * layout.layer_bytes(1), dtype=torch.uint8)
+    layout.gather_planes(ids, 1, planes)
+    sizes = [p.size for p in layout.planes[1]]
+    assert torch.equal(torch.cat(layout.plane_rows(1, planes, len(ids)), dim=1), rows)
+    assert torch.equal(torch.cat(rows.split(sizes, dim=1)).flatten(), planes)
+    before, dst = caches["b"].clone(), torch.tensor([1, 2, 6, 7, 8, 20, 22])
+    layout.scatter(rows, dst, [1])
+    expected = caches["b"].clone()
+    caches["b"].copy_(before)
+    layout.scatter_planes(planes, dst, 1)
+    assert torch.equal(caches["b"], expected) and not torch.equal(expected, before)
+    with pytest.raises(IndexError):  # numpy's take would clip them
+        layout.gather_planes(torch.tensor([0, NUM_BLOCKS]), 1, planes[: 2 * layout.layer_bytes(1)])
+
+
+def test_runs_and_even_chunks():
+    assert _runs([], 1)[0] == [] and len(_runs([], 1)[1]) == 0
+    runs, rest = _runs([9, 1, 2, 3, 7, 3, 11, 12], 2)
+    assert runs == [(1, 4), (11, 13)] and rest.tolist() == [7, 9]
+    assert _runs([5, 6], 3)[1].tolist() == [5, 6]
+    assert [len(c) for c in _even_chunks(torch.arange(7), 3)] == [3, 2, 2]
+    assert [len(c) for c in _even_chunks(torch.arange(6), 3)] == [3, 3]
+    assert _even_chunks(torch.empty(0, dtype=torch.int64), 3) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_copy_is_one_exact_page_locked_allocation(device):
+    model = Model(device, 5, 2)
+    hosts = list(model.buffer.host_caches.values())
+    memory = model.buffer._host_memory.tensor
+    assert memory.nbytes == 5 * NUM_BLOCKS * PAGE_BYTES  # no power-of-2 rounding
+    assert memory.untyped_storage().nbytes() < memory.nbytes + 3 * 65536  # at most page alignment on top
+    assert all(h.untyped_storage().data_ptr() == memory.untyped_storage().data_ptr() for h in hosts)
+    assert all(registered(h) == (device != "cpu") for h in hosts)
+    model.step(resident=[], written=[0, 1])
+    model.buffer.close()
+    assert not model.buffer._host_memory.registered
+    assert not any(registered(h) for h in hosts)  # unregistered; still readable
+    assert model.host_matches(4, [0, 1])
+
+
+@pytest.mark.parametrize("skip", ["begin_step", "_load", "_write_back"])
+def test_without_the_buffer_the_check_fails(skip):
+    # Negative controls: views aliased onto 2 buffers serve stale KV without the
+    # buffer, without its loads, or without its write-backs (seen a step later).
     model = Model("cpu", 6, 2)
-    model.buffer.begin_step = model.buffer.layer_done = model.buffer.end_step = lambda *a: None
+    if skip == "begin_step":
+        model.buffer.begin_step = model.buffer.layer_done = model.buffer.end_step = lambda *a: None
+    else:
+        setattr(model.buffer, skip, lambda *a: None)
     model.step(resident=list(range(4)), written=list(range(4)))
     assert model.step(resident=list(range(5)), written=[4]) != []

@@ -292,19 +292,34 @@ def test_readmitted_request_is_not_counted_as_a_second_miss():
     assert sched.build_connector_meta(step()).lookups.miss_tokens == 20
 
 
-def test_buffer_step_names_every_block_read_and_every_block_written():
+def test_buffer_step_loads_blocks_with_earlier_tokens_and_writes_back_every_block_written():
     sched = AioScheduler(deployment(buffer_layers=2), DictBackend())
     a, b = Req("a", 18), Req("b", 9)
     sched.update_state_after_alloc(a, blocks([7, 8, 9]), 0)
     sched.update_state_after_alloc(b, blocks([3, 4, 5]), 0)
-    sched.build_connector_meta(step(new=[("a", [7, 8, 9], 0)], scheduled={"a": 10}))
+    first = sched.build_connector_meta(step(new=[("a", [7, 8, 9], 0)], scheduled={"a": 10}))
+    assert (first.buffer.resident, sorted(first.buffer.written)) == ([], [7, 8, 9])  # no prefix: nothing to load
     meta = sched.build_connector_meta(
         step(new=[("b", [3, 4, 5], 0)], cached=[("a", [10, 11], 10, False)], scheduled={"a": 8, "b": 9},
              zero=[5], copies=[SimpleNamespace(src_block_id=4, dst_block_id=6)])
     )
-    assert sorted(meta.buffer.resident) == [3, 4, 5, 7, 8, 9, 10, 11]
+    # a: tokens 0..9 computed in blocks 7, 8 and half of 9; b and a's blocks 10, 11 are new.
+    assert sorted(meta.buffer.resident) == [7, 8, 9]
     assert sorted(meta.buffer.written) == [3, 4, 5, 9, 10, 11]  # a: tokens 10..17, blocks 2-4 of 4 tokens
     assert (meta.buffer.zeroed, meta.buffer.copies) == ([5], [(4, 6)])
+
+
+def test_buffer_step_of_a_decode_loads_its_context_up_to_the_new_token():
+    sched = AioScheduler(deployment(buffer_layers=2), DictBackend())
+    a = Req("a", 8)
+    sched.update_state_after_alloc(a, blocks([7, 8]), 0)
+    sched.build_connector_meta(step(new=[("a", [7, 8], 0)], scheduled={"a": 8}))
+    # Token 8 starts block 2 (new): the two full blocks are loaded, only the new one written back.
+    meta = sched.build_connector_meta(step(cached=[("a", [9], 8, False)], scheduled={"a": 1}))
+    assert (sorted(meta.buffer.resident), meta.buffer.written) == ([7, 8], [9])
+    # Token 9 lands in block 9, which now holds token 8: loaded and written back.
+    meta = sched.build_connector_meta(step(cached=[("a", [], 9, False)], scheduled={"a": 1}))
+    assert (sorted(meta.buffer.resident), meta.buffer.written) == ([7, 8, 9], [9])
 
 
 def test_without_the_buffer_no_buffer_step_is_sent():

@@ -11,16 +11,34 @@ A plane is exposed twice: as addresses (``segments``), for backends that copy
 straight from host memory, and as a ``[num_blocks, bytes]`` byte tensor on the
 cache's device, for batched gathers and scatters (one call per plane and batch,
 not per block: per-block copies used a fifth of an H200's PCIe link).
+
+``gather_planes`` and ``scatter_planes`` are the host fast paths (the dynamic
+buffer's host copy): numpy's row-wise take and fancy assignment, straight
+into the destination, the blocks shared out over a few threads. ``gather``
+allocates ``index_select``'s result and copies it again (~2.5 GB/s on the
+H200 host; 1.3 GB/s on a dev box where numpy's take reaches 5.7-6.6 GB/s on
+one thread), and ``index_copy_`` on the CPU copies element by element (1.1
+GB/s there against 8.6-10.5 GB/s for numpy's fancy assignment).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
+import numpy as np
 import torch
 
 from vllm_aio.backends import Segment
+from vllm_aio.backends.segments import copy_threads
+
+# A thread is given at least this much to copy: waking one and waiting for it
+# costs tens of microseconds, 1 MiB takes ~100 us on one core.
+MIN_PART_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -70,6 +88,65 @@ class BlockLayout:
                 p.blocks.index_copy_(0, block_ids, src[:, offset : offset + p.size])
                 offset += p.size
 
+    # ---- host fast paths ---------------------------------------------------
+    def plane_rows(self, layer: int, flat: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """``flat`` (uint8, ``n * layer_bytes``, any device) as each plane's ``[n, size]`` rows, back to back.
+
+        The plane-major layout of ``gather_planes``: a plane's blocks are one
+        contiguous region, so each plane moves with one copy and one batched
+        index op, on the host and on the device alike.
+        """
+        rows, offset = [], 0
+        for p in self.planes[layer]:
+            rows.append(flat[offset : offset + n * p.size].view(n, p.size))
+            offset += n * p.size
+        return rows
+
+    def gather_planes(self, block_ids: torch.Tensor, layer: int, out: torch.Tensor) -> None:
+        """Copy the blocks of ``layer`` into ``out`` (``plane_rows`` layout); host memory only.
+
+        ``block_ids`` is a CPU int64 tensor. ``numpy.take`` copies row by row
+        with the GIL released, so the parts really run at once (and, unlike
+        torch's ops on several threads, it starts no OpenMP team per thread).
+        """
+        n = len(block_ids)
+        self._check_ids(block_ids)
+        ids = block_ids.numpy()
+        rows = self.plane_rows(layer, out, n)
+        threads, parts = self._parts(layer, n)
+        _run_parallel([
+            partial(_take_rows, p, ids[a:b], r[a:b]) for p, r in zip(self.planes[layer], rows) for a, b in parts
+        ], threads)
+
+    def scatter_planes(self, src: torch.Tensor, block_ids: torch.Tensor, layer: int) -> None:
+        """Copy ``src`` (``plane_rows`` layout) into the blocks of ``layer``; host memory only.
+
+        numpy's fancy assignment copies row by row with the GIL released.
+        ``block_ids`` must not repeat (the parts would race for a block).
+        """
+        n = len(block_ids)
+        self._check_ids(block_ids)
+        ids = block_ids.numpy()
+        rows = self.plane_rows(layer, src, n)
+        threads, parts = self._parts(layer, n)
+        _run_parallel([
+            partial(_assign_rows, p.blocks.numpy(), ids[a:b], r[a:b].numpy())
+            for p, r in zip(self.planes[layer], rows)
+            for a, b in parts
+        ], threads)
+
+    def _check_ids(self, block_ids: torch.Tensor) -> None:
+        # numpy.take runs with mode="clip" (mode="raise" copies through a buffer): out-of-range ids must not reach it.
+        if len(block_ids) and not (0 <= int(block_ids.min()) and int(block_ids.max()) < self.num_blocks):
+            raise IndexError(f"block ids outside [0, {self.num_blocks})")
+
+    def _parts(self, layer: int, n: int) -> tuple[int, list[tuple[int, int]]]:
+        """The threads worth using on ``n`` blocks of ``layer``, and the row ranges splitting each plane for them."""
+        threads = max(1, min(copy_threads(), n * self.layer_bytes(layer) // MIN_PART_BYTES))
+        per_plane = max(1, -(-threads // len(self.planes[layer])))
+        step = -(-n // per_plane)
+        return threads, [(a, min(n, a + step)) for a in range(0, n, step)] if n else []
+
 
 def _planes(name: str, t: torch.Tensor, num_blocks: int) -> list[_Plane]:
     elem = t.element_size()
@@ -96,3 +173,61 @@ def _planes(name: str, t: torch.Tensor, num_blocks: int) -> list[_Plane]:
         )
         for s in starts
     ]
+
+
+def _take_rows(plane: _Plane, ids: np.ndarray, out: torch.Tensor) -> None:
+    if plane.stride != plane.size:  # numpy.take would first copy the whole strided plane
+        torch.index_select(plane.blocks, 0, torch.from_numpy(ids), out=out)
+    else:
+        np.take(plane.blocks.numpy(), ids, axis=0, out=out.numpy(), mode="clip")
+
+
+def _assign_rows(dst: np.ndarray, ids: np.ndarray, src: np.ndarray) -> None:
+    dst[ids] = src
+
+
+def _run_parallel(tasks: list[Callable[[], object]], threads: int) -> None:
+    """Run ``tasks``: with ``threads`` > 1, the first on the calling thread, the rest on the host copy threads."""
+    if threads <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            task()
+        return
+    futures: list[Future[object]] = []
+    try:
+        executor = _executor()
+        for task in tasks[1:]:
+            futures.append(executor.submit(task))
+    except RuntimeError:  # the pool is shut down (interpreter exit): copy the rest here
+        for task in tasks[1 + len(futures):]:
+            task()
+    try:
+        tasks[0]()
+    finally:
+        # Every part must be done before the caller reuses the buffers, even on failure.
+        for future in futures:
+            future.exception()
+    for future in futures:
+        future.result()
+
+
+# ---- the host copy threads --------------------------------------------------
+_executor_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    """One process-wide pool, created on first use (threads start on demand, join at exit)."""
+    global _pool
+    with _executor_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max(1, copy_threads() - 1), thread_name_prefix="vllm_aio-layout")
+        return _pool
+
+
+def _forget_pool_in_child() -> None:
+    # A forked child inherits the pool object but not its threads.
+    global _pool, _executor_lock
+    _executor_lock, _pool = threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)

@@ -10,14 +10,17 @@ buffer.
 Ordering, per step (``S = 2``, hooks named as vLLM calls them):
 
 * step start (``begin_step``): apply vLLM's block zeroing and copy-on-write
-  copies to the host copy, then load layers ``0 .. S-1``;
+  copies to the host copy, then load layers ``0 .. S-1`` (after whatever the
+  compute stream was given before: vLLM's own block copies in the cache);
 * after layer ``l``'s attention (``layer_done``): write back layer ``l``'s
   newly written blocks, then load layer ``l + S`` into the same buffer
-  (same stream, so the load cannot overtake the write-back);
+  (same stream, and after layer ``l``'s attention even when nothing is
+  written back, so the load cannot overtake the write-back or the attention);
 * before layer ``l + 1`` writes its K/V (``before_layer``): the compute stream
-  waits for that layer's load event. Loading inside ``wait_for_layer_load``
-  would be too late: vLLM writes the step's new K/V into the cache before
-  it calls that hook, and the load would overwrite them.
+  waits for that layer's load event (which also follows the buffer's previous
+  write-back). Loading inside ``wait_for_layer_load`` would be too late: vLLM
+  writes the step's new K/V into the cache before it calls that hook, and the
+  load would overwrite them.
 
 Why two buffers suffice (the design note's argument): if loading a layer is
 faster than its forward, the load of ``l + 1`` is done before it is needed;
@@ -25,61 +28,118 @@ if slower, the buffer that load targets was released by ``l - 1`` one layer
 earlier. Measured on an H200: S = 2 within 1.12x of max(compute, transfer),
 S = 3 or 4 no better (benchmarks/dynamic_buffer.py).
 
-Copies are batched per layer (one gather, one host-device copy, one scatter
-per plane and chunk): per-block copies used a fifth of an H200's PCIe link.
+How blocks move (per layer, host copy <-> device buffer; both index blocks
+alike, so a block is at the same place in both):
+
+* runs of consecutive block ids worth one copy each (``direct_copy_bytes``
+  per plane, 1 MiB: a DMA that large runs near the link's speed, and one
+  enqueue costs the forward thread ~10 us) are copied straight between the
+  page-locked host copy and the buffer, no host work at all;
+* the other blocks pass through staging in chunks: gathered on the host
+  (``BlockLayout.gather_planes``: no temporary, spread over threads), one
+  host-device copy, one batched scatter per plane on the device; written
+  blocks the reverse way. Per-block copies used a fifth of an H200's PCIe
+  link; the host gather this replaces (``index_select`` then a copy) ran at
+  ~2.5 GB/s on the H200 host.
+
+A staged write-back is completed as soon as its copy has landed (checked at
+every ``layer_done`` and whenever staging runs short): scattered into the
+host copy and its staging released. ``end_step`` only waits for the rest, in
+order, so most scatters overlap the layers still computing.
+
+The host gathers for staged loads run on the forward thread, when
+``layer_done`` enqueues the load: the device copies are asynchronous, so a
+gather already overlaps the previous layer's transfer and compute; a helper
+thread gathering ahead would only also hide it behind the forward thread's
+own kernel launches (not done).
+
+Measured on an H200 (benchmarks/dynamic_buffer.py, ``vllm_aio S=2``, block
+ids of a fresh cache, so loads mostly in place): 0.94-1.04x the idealised
+S = 2 pipeline on every row, from 2.2-22x before.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
+import numpy as np
 import torch
 
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.connector.staging import Slice, StagingBuffer
-from vllm_aio.device import Device
+from vllm_aio.device import Device, HostMemory
 from vllm_aio.log import get_logger
 
 logger = get_logger(__name__)
+
+# A run of consecutive blocks whose every plane is at least this large is
+# copied in place, host copy <-> device buffer, without staging.
+DIRECT_COPY_BYTES = 1 << 20
+# Each layer's region of the host copy starts on a page.
+_HOST_ALIGN = 4096
 
 
 @dataclass
 class BufferStep:
     """What one step needs from the buffer (sent by the scheduler half)."""
 
-    resident: list[int] = field(default_factory=list)  # blocks the step's attention reads
-    written: list[int] = field(default_factory=list)  # blocks the step writes new K/V into
+    resident: list[int] = field(default_factory=list)  # blocks holding K/V from before the step (loaded)
+    written: list[int] = field(default_factory=list)  # blocks the step writes new K/V into (written back)
     zeroed: list[int] = field(default_factory=list)  # new blocks vLLM zeroes before the step
     copies: list[tuple[int, int]] = field(default_factory=list)  # vLLM's copy-on-write (src, dst)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    ids: torch.Tensor  # CPU int64: the host copy's side
+    device_ids: torch.Tensor  # the same ids on the device (moved once per step, used by every layer)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one step moves a set of blocks in every layer."""
+
+    runs: list[tuple[int, int]]  # [start, stop) of consecutive ids copied in place
+    chunks: list[_Chunk]  # the other ids, through staging
+
+
+_NOTHING = _Plan([], [])
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """Staging lent to a copy on the transfer stream, returned once ``event`` has completed."""
+
+    piece: Slice
+    event: torch.Event | None
+    finish: Callable[[], None] | None = None  # a write-back's scatter into the host copy
 
 
 class LayerBuffer:
     def __init__(
         self, device_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int,
-        buffers: int, staging_bytes: int,
+        buffers: int, staging_bytes: int, direct_copy_bytes: int = DIRECT_COPY_BYTES,
     ) -> None:
         first = device_caches[layer_names[0]]
         self.device = Device(first.device)
-        # The full KV of every layer; vLLM's blocks index it like the device cache.
-        self.host_caches = {
-            name: torch.empty(
-                device_caches[name].shape, dtype=device_caches[name].dtype, pin_memory=not self.device.is_host
-            )
-            for name in layer_names
-        }
+        # The full KV of every layer, one page-locked allocation; vLLM's blocks index it like the device cache.
+        self._host_memory, self.host_caches = _host_copy(self.device, device_caches, layer_names)
         self._device_layout = BlockLayout(device_caches, layer_names, num_blocks)
         self._host_layout = BlockLayout(self.host_caches, layer_names, num_blocks)
         self.buffers = buffers
         self.num_layers = len(layer_names)
         self._stream = self.device.new_stream()
         self._staging = StagingBuffer(self.device, staging_bytes)
+        # A chunk takes at most a quarter of staging, so loads and write-backs of a few layers fit at once.
         self._chunk_blocks = max(1, staging_bytes // (4 * max(self._host_layout.layer_bytes(0), 1)))
-        self._in_flight: deque[tuple[Slice, torch.Event | None]] = deque()
-        self._write_backs: list[tuple[Slice, torch.Event | None, int, torch.Tensor]] = []
+        smallest_plane = min(p.size for planes in self._host_layout.planes for p in planes)
+        self._min_run = max(1, -(-direct_copy_bytes // max(smallest_plane, 1)))
+        self._pending: deque[_Pending] = deque()  # oldest first: events on one stream complete in order
         self._loaded: dict[int, torch.Event | None] = {}
-        self._resident = self._written = torch.empty(0, dtype=torch.int64)
+        self._resident = self._written = _NOTHING
 
     @property
     def host_bytes(self) -> int:
@@ -87,9 +147,14 @@ class LayerBuffer:
 
     # ---- per step ----------------------------------------------------------
     def begin_step(self, step: BufferStep) -> None:
+        self._drain()  # a step that ended without end_step: the host copy must be settled
         self._apply_block_updates(step)
-        self._resident = torch.tensor(sorted(set(step.resident)), dtype=torch.int64)
-        self._written = torch.tensor(sorted(set(step.written)), dtype=torch.int64)
+        # vLLM's own cache updates (block copies) on the compute stream come before our loads.
+        self.device.wait(self.device.record(), self._stream)
+        with self.device.on(self._stream):  # the step's device ids live on the transfer stream
+            self._resident = self._plan(step.resident)
+            self._written = self._plan(step.written)
+        self._loaded.clear()
         for layer in range(min(self.buffers, self.num_layers)):
             self._load(layer)
         self.before_layer(0)
@@ -100,17 +165,24 @@ class LayerBuffer:
 
     def layer_done(self, layer: int) -> None:
         """Layer ``layer`` has written its K/V: save them, then reuse its buffer."""
+        self._retire()  # earlier write-backs that have landed: into the host copy now
         self._write_back(layer)
         if layer + self.buffers < self.num_layers:
             self._load(layer + self.buffers)
 
     def end_step(self) -> None:
         """Host memory holds every block the step wrote (the pool may read it)."""
-        for piece, event, layer, ids in self._write_backs:
-            self.device.synchronize(event)
-            self._host_layout.scatter(piece.tensor.view(len(ids), -1), ids, [layer])
-            self._staging.release(piece)
-        self._write_backs.clear()
+        self._drain()
+
+    def close(self) -> None:
+        """Wait for every copy, then release the page-locked host copy (views stay readable, unpinned)."""
+        self._drain()
+        self._host_memory.release()
+
+    def _drain(self) -> None:
+        self._retire(wait=True)
+        # In-place write-backs land in the host copy without staging: wait for the stream itself.
+        self.device.synchronize(self.device.record(self._stream))
 
     def _apply_block_updates(self, step: BufferStep) -> None:
         every = range(self.num_layers)
@@ -121,63 +193,134 @@ class LayerBuffer:
             src = torch.tensor([s for s, _ in step.copies], dtype=torch.int64)
             dst = torch.tensor([d for _, d in step.copies], dtype=torch.int64)
             for layer in every:
-                rows = torch.empty(len(src), self._host_layout.layer_bytes(layer), dtype=torch.uint8)
-                self._host_layout.gather(src, [layer], rows)
-                self._host_layout.scatter(rows, dst, [layer])
+                rows = torch.empty(len(src) * self._host_layout.layer_bytes(layer), dtype=torch.uint8)
+                self._host_layout.gather_planes(src, layer, rows)
+                self._host_layout.scatter_planes(rows, dst, layer)
+
+    def _plan(self, block_ids: Sequence[int]) -> _Plan:
+        """Split the step's blocks into in-place runs and staged chunks (same for every layer)."""
+        runs, staged = _runs(block_ids, self._min_run)
+        chunks = [_Chunk(ids, self._to_device(ids)) for ids in _even_chunks(staged, self._chunk_blocks)]
+        return _Plan(runs, chunks)
 
     # ---- copies ------------------------------------------------------------
     def _load(self, layer: int) -> None:
-        event = None
-        for ids in self._resident.split(self._chunk_blocks):
-            piece = self._slice(len(ids) * self._host_layout.layer_bytes(layer))
-            rows = piece.tensor.view(len(ids), -1)
-            self._host_layout.gather(ids, [layer], rows)
+        host, dev = self._host_layout.planes[layer], self._device_layout.planes[layer]
+        with self.device.on(self._stream):
+            for start, stop in self._resident.runs:
+                for d, h in zip(dev, host):
+                    d.blocks[start:stop].copy_(h.blocks[start:stop], non_blocking=True)
+        for chunk in self._resident.chunks:
+            n = len(chunk.ids)
+            piece = self._slice(n * self._host_layout.layer_bytes(layer))
+            self._host_layout.gather_planes(chunk.ids, layer, piece.tensor)
             with self.device.on(self._stream):
-                self._device_layout.scatter(self._to_device(rows), self._to_device(ids), [layer])
+                if self.device.is_host:
+                    self._device_layout.scatter_planes(piece.tensor, chunk.ids, layer)
+                else:
+                    staged = self._to_device(piece.tensor)
+                    for d, rows in zip(dev, self._device_layout.plane_rows(layer, staged, n)):
+                        d.blocks.index_copy_(0, chunk.device_ids, rows)
                 event = self.device.record(self._stream)
-            self._done_with(piece, event)
-        self._loaded[layer] = event
+            self._pending.append(_Pending(piece, event))
+        # Recorded even with nothing loaded: the layer's compute must still follow
+        # the write-back of the layer that used this buffer before.
+        self._loaded[layer] = self.device.record(self._stream)
 
     def _write_back(self, layer: int) -> None:
+        host, dev = self._host_layout.planes[layer], self._device_layout.planes[layer]
         computed = self.device.record()  # the compute stream, after this layer's attention
-        for ids in self._written.split(self._chunk_blocks):
-            piece = self._slice(len(ids) * self._host_layout.layer_bytes(layer))
-            rows = piece.tensor.view(len(ids), -1)
+        with self.device.on(self._stream):
+            # Even with nothing to write back: the next load into this buffer must follow the attention.
+            self.device.wait(computed, self._stream)
+            for start, stop in self._written.runs:
+                for d, h in zip(dev, host):
+                    h.blocks[start:stop].copy_(d.blocks[start:stop], non_blocking=True)
+        for chunk in self._written.chunks:
+            n = len(chunk.ids)
+            piece = self._slice(n * self._host_layout.layer_bytes(layer))
             with self.device.on(self._stream):
-                self.device.wait(computed, self._stream)
                 if self.device.is_host:
-                    self._device_layout.gather(ids, [layer], rows)
+                    self._device_layout.gather_planes(chunk.ids, layer, piece.tensor)
                 else:
-                    scratch = self.device.empty(rows.numel()).view(rows.shape)
-                    self._device_layout.gather(self._to_device(ids), [layer], scratch)
-                    rows.copy_(scratch, non_blocking=True)
+                    scratch = self.device.empty(piece.tensor.numel())
+                    for d, rows in zip(dev, self._device_layout.plane_rows(layer, scratch, n)):
+                        torch.index_select(d.blocks, 0, chunk.device_ids, out=rows)
+                    piece.tensor.copy_(scratch, non_blocking=True)
                 event = self.device.record(self._stream)
-            self._write_backs.append((piece, event, layer, ids))
+            scatter = partial(self._host_layout.scatter_planes, piece.tensor, chunk.ids, layer)
+            self._pending.append(_Pending(piece, event, scatter))
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         return host if self.device.is_host else host.to(self.device.torch_device, non_blocking=True)
 
+    # ---- staging -----------------------------------------------------------
     def _slice(self, nbytes: int) -> Slice:
-        """Staging for one chunk; waits for the oldest copies when it runs out."""
+        """Staging for one chunk; completes the oldest copies when it runs out."""
         while True:
-            while self._in_flight and _completed(self._in_flight[0][1]):
-                self._staging.release(self._in_flight.popleft()[0])
+            self._retire()
             piece = self._staging.allocate(nbytes, 0)
             if piece is not None:
                 return piece
-            if self._in_flight:
-                self.device.synchronize(self._in_flight[0][1])
-            elif self._write_backs:
-                self.end_step()  # write-backs hold the rest of the staging
-            else:
+            if not self._pending:
                 raise RuntimeError(f"staging_buffer_size too small for {nbytes} bytes of one layer chunk")
+            self._retire_oldest()
 
-    def _done_with(self, piece: Slice, event: torch.Event | None) -> None:
-        if event is None:
-            self._staging.release(piece)
-        else:
-            self._in_flight.append((piece, event))
+    def _retire(self, wait: bool = False) -> None:
+        """Complete the copies that have landed (all of them, waiting, if ``wait``), oldest first."""
+        while self._pending and (wait or _completed(self._pending[0].event)):
+            self._retire_oldest()
+
+    def _retire_oldest(self) -> None:
+        pending = self._pending.popleft()
+        try:
+            self.device.synchronize(pending.event)
+            if pending.finish is not None:
+                pending.finish()
+        finally:
+            self._staging.release(pending.piece)
 
 
 def _completed(event: torch.Event | None) -> bool:
     return event is None or event.query()
+
+
+def _host_copy(
+    device: Device, caches: Mapping[str, torch.Tensor], names: Sequence[str]
+) -> tuple[HostMemory, dict[str, torch.Tensor]]:
+    """One host allocation for every layer's full KV, viewed per layer (contiguous, the caches' shapes).
+
+    One allocation, not one per layer: page-locking costs per call, and
+    ``Device.host_memory`` takes exactly the bytes asked for.
+    """
+    offsets, end = [], 0
+    for name in names:
+        offsets.append(end)
+        end += -(-caches[name].nbytes // _HOST_ALIGN) * _HOST_ALIGN
+    memory = device.host_memory(end)
+    views = {}
+    for name, offset in zip(names, offsets):
+        cache = caches[name]
+        views[name] = memory.tensor[offset : offset + cache.nbytes].view(cache.dtype).view(cache.shape)
+    return memory, views
+
+
+def _runs(block_ids: Sequence[int], min_run: int) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """The distinct ids as [start, stop) runs of at least ``min_run`` consecutive ids, and the rest (sorted)."""
+    ids = np.unique(np.asarray(block_ids, dtype=np.int64))
+    if not len(ids):
+        return [], torch.empty(0, dtype=torch.int64)
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    stops = np.concatenate((breaks, [len(ids)]))
+    long = stops - starts >= min_run
+    runs = [(int(ids[a]), int(ids[b - 1]) + 1) for a, b in zip(starts[long], stops[long])]
+    rest = ids[np.repeat(~long, stops - starts)]
+    return runs, torch.from_numpy(rest)
+
+
+def _even_chunks(ids: torch.Tensor, max_rows: int) -> list[torch.Tensor]:
+    """``ids`` in as few chunks of at most ``max_rows`` as possible, of nearly equal sizes (none for no ids)."""
+    if not len(ids):
+        return []
+    return list(torch.tensor_split(ids, -(-len(ids) // max_rows)))

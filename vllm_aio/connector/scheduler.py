@@ -160,6 +160,16 @@ class AioScheduler:
         all its blocks through the S buffers. A policy keeping some requests
         resident in every layer (the design note gives that to high-priority
         requests) would change the set chosen here and the KV cache plan.
+
+        Loaded (``resident``): only the blocks holding tokens from before the
+        step's first computed token, ``block_ids[:ceil(computed / block_size)]``
+        (the last of them may be partly full, and is written too). The step's
+        brand-new blocks are not loaded: attention never reads a slot the step
+        has not written yet (slots past the sequence are masked), and each
+        layer writes its new K/V into the buffer before its attention, so
+        loading them would copy bytes that are overwritten or never read (a
+        prefill without a cached prefix loads nothing). Written back
+        (``written``): every block the step's tokens land in.
         """
         step = BufferStep(
             zeroed=list(scheduler_output.new_block_ids_to_zero or []),
@@ -168,7 +178,7 @@ class AioScheduler:
         bs = self._dep.block_size
         for tracker, computed in scheduled:
             end = -(-(computed + scheduler_output.num_scheduled_tokens[tracker.request.request_id]) // bs)
-            step.resident.extend(tracker.block_ids[:end])
+            step.resident.extend(tracker.block_ids[: -(-computed // bs)])
             step.written.extend(tracker.block_ids[computed // bs : end])
         return step
 

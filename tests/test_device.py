@@ -1,0 +1,110 @@
+"""``Device.host_memory``: exact-size host memory, page-locked on CUDA by registration, freed once."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+
+import pytest
+import torch
+
+from vllm_aio import device as device_module
+from vllm_aio.device import Device
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class FakeDriver:
+    """Stands in for cudaHostRegister / cudaHostUnregister (records the calls)."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+
+    def register(self, tensor: torch.Tensor, device: torch.device):
+        address = tensor.data_ptr()
+        self.registered[address] = tensor.nbytes
+
+        def unregister() -> None:
+            self.unregistered.append(address)
+
+        return unregister
+
+
+@pytest.fixture
+def driver(monkeypatch) -> FakeDriver:
+    fake = FakeDriver()
+    monkeypatch.setattr(device_module, "_register_cuda", fake.register)
+    return fake
+
+
+def test_cpu_host_memory_is_plain_and_exact():
+    memory = Device(torch.device("cpu")).host_memory(3 << 20 | 1)
+    assert memory.tensor.nbytes == 3 << 20 | 1 and not memory.registered
+    memory.release()  # nothing to unregister
+    assert memory.tensor is None
+
+
+def test_cuda_host_memory_is_registered_and_unregistered_once(driver):
+    memory = Device(torch.device("cuda")).host_memory(1000)
+    address = memory.tensor.data_ptr()
+    assert memory.tensor.nbytes == 1000 and memory.registered
+    # Whole pages of its own: no page shared with another allocation is registered.
+    assert driver.registered == {address: mmap.PAGESIZE} and address % mmap.PAGESIZE == 0
+    memory.release()
+    memory.release()
+    assert driver.unregistered == [address] and not memory.registered
+
+
+def test_forgotten_host_memory_is_unregistered_when_collected(driver):
+    memory = Device(torch.device("cuda")).host_memory(1000)
+    address = memory.tensor.data_ptr()
+    view = memory.tensor[10:20]
+    del memory
+    gc.collect()
+    assert driver.unregistered == [address]
+    view.fill_(7)  # views outlive the registration: the memory is freed with them
+    assert view.sum().item() == 70
+
+
+def test_no_bytes_register_nothing(driver):
+    memory = Device(torch.device("cuda")).host_memory(0)
+    assert memory.tensor.nbytes == 0 and driver.registered == {}
+
+
+@CUDA
+def test_registered_memory_is_page_locked_without_the_caching_allocator():
+    device = Device(torch.device("cuda"))
+    before = _host_allocator_bytes()
+    memory = device.host_memory((3 << 20) + 4096)
+    assert memory.tensor.nbytes == (3 << 20) + 4096 and registered(memory.tensor)
+    small = [device.host_memory(100) for _ in range(8)]  # heap allocations, maybe on shared pages
+    assert all(registered(m.tensor) for m in small)
+    assert _host_allocator_bytes() == before  # not rounded up to 4 MiB by torch's host allocator
+    src = torch.arange(memory.tensor.nbytes, device="cuda").to(torch.uint8)
+    memory.tensor.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(memory.tensor.cuda(), src)
+    view = memory.tensor[:4096]
+    memory.release()
+    assert not registered(view)  # unregistered, still readable
+    assert torch.equal(view, src[:4096].cpu())
+
+
+def _host_allocator_bytes() -> int | None:
+    try:
+        return int(torch.cuda.memory.host_memory_stats().get("active_bytes.current", 0))
+    except Exception:  # older torch
+        return None
+
+
+def registered(t: torch.Tensor) -> bool:
+    """Whether ``t``'s first page is registered with the driver (torch's is_pinned knows only its own allocator)."""
+    if not torch.cuda.is_available():
+        return False
+    page = t.data_ptr() - t.data_ptr() % mmap.PAGESIZE
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(page, mmap.PAGESIZE, 0)) == 0:
+        cudart.cudaHostUnregister(page)
+        return False
+    return True  # cudaErrorHostMemoryAlreadyRegistered
