@@ -71,33 +71,24 @@ step, exactly as the worker calls it: ``begin_step(BufferStep(resident,
 written))``, then for each layer l: the layer's KV write + compute,
 ``layer_done(l)``, ``before_layer(l + 1)``; then ``end_step()``. The
 BufferStep is what the scheduler half sends (``scheduler._buffer_step``):
-``resident`` = every block of every request up to the step's last token,
-``written`` = the step's new blocks. Decode loads the same bytes as the
-idealised pipeline; prefill also loads its new blocks (``load MiB/layer``
-column: + the write-back size), which the step then overwrites.
-``--real-resident same`` passes the idealised load set instead; it skips the
-rows without a cached prefix, because an empty ``resident`` crashes
-``LayerBuffer._load`` (``torch.split`` of an empty tensor yields one empty
-chunk, and ``view(0, -1)`` raises). What the real code does differently from
-the idealised pipeline above:
+``resident`` = the blocks holding tokens before the step's first new token
+(the same bytes as the idealised pipeline loads), ``written`` = the step's
+new blocks. ``--real-resident scheduler`` passes every block of the request
+instead (prefill then also loads the blocks it overwrites; the H200 figures
+in the closing note of issue 6 were taken that way). What the real
+code does differently from the idealised pipeline above (see
+``vllm_aio/connector/layer_buffer.py``):
 
-* loads: the resident blocks are GATHERED ON THE HOST, on the forward thread
-  (``BlockLayout.gather``: index_select from the host copy, then a copy into
-  staging), before the H2D copy + on-device scatter is enqueued; the
-  idealised load reads a contiguous host region (no host work at all);
+* loads: runs of consecutive block ids of >= 1 MiB per plane are copied in
+  place from the registered host copy; other blocks are gathered on the host
+  (threaded numpy) into staging, then one H2D copy + on-device scatter; the
+  idealised load reads one contiguous host region;
 * one default-priority side stream carries both loads and write-backs (the
-  idealised pipeline: separate high-priority H2D and D2H streams, so both
-  directions of the link run at once);
-* write-back: device gather + D2H into staging, then at ``end_step`` the
-  forward thread waits for every write-back and scatters the rows into the
-  host copy (the idealised one copies D2H straight into a contiguous region);
-* staging: chunks of staging / (4 x 64 KiB) blocks per layer (one chunk per
-  layer at 2 GiB); write-back slices stay allocated until ``end_step``, so the
-  ring must hold every load after the first write-back plus every write-back
-  of the step: when it fills, ``_slice`` waits for the oldest copy, then calls
-  ``end_step`` in the middle of the step (a host synchronization);
-* the host copy is one page-locked torch allocation per layer, which torch's
-  caching host allocator rounds up to a power of two (``host pinned GiB``).
+  idealised pipeline: separate high-priority H2D and D2H streams);
+* write-back: device gather + D2H into staging, scattered into the host copy as
+  soon as its copy has landed (``end_step`` waits for the remainder only);
+* the host copy is one allocation registered with the driver
+  (``Device.host_memory``), not rounded up by torch's caching host allocator.
 
 The table also gives, per step, the forward thread's host time in the real
 code (medians): gathers for loads, scatters into the host copy, waits on
@@ -397,21 +388,19 @@ class RealBuffer:
         self.names = [f"layer.{i}" for i in range(m.layers)]
         self.backing = torch.zeros(s, *shape, dtype=DTYPE, device=step.acc.device)
         self.views = [self.backing[i % s] for i in range(m.layers)]
-        before, t0 = _host_stats(), time.perf_counter()
+        t0 = time.perf_counter()
         self.lb = LayerBuffer(dict(zip(self.names, self.views)), self.names, shape[0], s, staging_bytes)
         self.create_s = time.perf_counter() - t0
-        after = _host_stats()
-        # Page-locked bytes torch handed out for the host copy (staging excluded), after its rounding.
-        self.host_pinned = after["active"] - before["active"] - self.lb._staging.capacity \
-            if "active" in after and "active" in before else None
+        # Page-locked bytes of the host copy: registered exactly, not rounded up.
+        self.host_pinned = None if step.acc.device.type == "cpu" else self.lb.host_bytes
         ids = step.all_ids if resident == "scheduler" else step.load_ids
         self.bstep = BufferStep(resident=ids.cpu().tolist(), written=step.new_ids.cpu().tolist())
         self.load_blocks = len(self.bstep.resident)
         self.stats: dict[str, float] = {}
         self._in_step = False
         lb = self.lb
-        lb._host_layout.gather = self._timing("gather_ms", lb._host_layout.gather)
-        lb._host_layout.scatter = self._timing("scatter_ms", lb._host_layout.scatter)
+        lb._host_layout.gather_planes = self._timing("gather_ms", lb._host_layout.gather_planes)
+        lb._host_layout.scatter_planes = self._timing("scatter_ms", lb._host_layout.scatter_planes)
         lb.device.synchronize = self._timing("wait_ms", lb.device.synchronize)
         end_step = lb.end_step
 
@@ -475,17 +464,6 @@ class RealBuffer:
             f"FAILED (load at layers {bad_load[:8]}, write-back at {bad_wb[:8]})"
 
 
-def _host_stats() -> dict:
-    """Bytes torch's caching host allocator has handed out (CUDA only; empty where unavailable)."""
-    if not torch.cuda.is_available():
-        return {}
-    try:
-        stats = torch.cuda.memory.host_memory_stats()
-    except Exception:  # older torch
-        return {}
-    return {"active": int(stats["active_bytes.current"])} if "active_bytes.current" in stats else {}
-
-
 def real_s_values(args, host_bytes: int) -> list[int]:
     """The S values the real code runs for a batch whose LayerBuffer host copy is ``host_bytes``."""
     if host_bytes > args.real_max_gib * GiB:
@@ -517,8 +495,6 @@ def measure(acc: Accel, m: Model, b: Batch, host_pool: torch.Tensor, w: Weights,
     skip = None
     if real_bytes > args.real_max_gib * GiB:
         skip = f"host copy {real_bytes / GiB:g} GiB > --real-max-gib {args.real_max_gib:g}"
-    elif args.real_resident == "same" and not step.n_load:
-        skip = "empty resident (crashes LayerBuffer._load)"
     real = {} if skip else {s: RealBuffer(step, s, args.real_staging_bytes, args.real_resident)
                             for s in real_s_values(args, real_bytes)}
     modes = ["resident", "transfer"] + [f"S={s}" for s in args.s_values] + [f"vllm_aio S={s}" for s in real]
@@ -683,9 +659,10 @@ def main() -> int:
     parser.add_argument("--real-staging-mib", type=int, default=2048, help="LayerBuffer's staging_bytes")
     parser.add_argument("--real-repeats", type=int, default=3,
                         help="repetitions of the real LayerBuffer modes (the first ones of --repeats)")
-    parser.add_argument("--real-resident", choices=("scheduler", "same"), default="scheduler",
-                        help="BufferStep.resident: every block of the request (what the scheduler half sends: "
-                             "prefill loads its new blocks too), or the idealised load set")
+    parser.add_argument("--real-resident", choices=("scheduler", "same"), default="same",
+                        help="BufferStep.resident: the blocks holding earlier tokens (what the scheduler half "
+                             "sends, = the idealised load set), or every block of the request (the stress case: "
+                             "prefill also loads the blocks it then overwrites)")
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"results JSON (default {RESULTS})")
     args = parser.parse_args()
     acc = Accel(args.device)
@@ -737,10 +714,10 @@ def main() -> int:
     print(f"\nThe connector's LayerBuffer (vllm_aio S=<n>, real code) next to the idealised pipeline, same run: "
           f"median of {args.real_repeats} (interleaved with the first repetitions above), "
           f"staging {args.real_staging_mib} MiB, BufferStep.resident = "
-          + ("the idealised load set" if args.real_resident == "same"
-             else "every block of the request (as the scheduler sends it)") + "; "
-          f"host copy = L x blocks x {m.block_bytes // 1024} KiB page-locked (in parentheses: what torch pinned "
-          f"for it, one power-of-2 allocation per layer); forward-thread host ms per step (median) inside "
+          + ("the blocks holding earlier tokens, as the scheduler sends them" if args.real_resident == "same"
+             else "every block of the request") + "; "
+          f"host copy = L x blocks x {m.block_bytes // 1024} KiB (in parentheses: page-locked bytes, "
+          f"registered exactly); forward-thread host ms per step (median) inside "
           f"LayerBuffer: host gathers for loads / scatters into the host copy / waits on events; mid-step "
           f"end_step = forced by a full staging ring\n")
     print_real_table(rows, args.real_s_values)
