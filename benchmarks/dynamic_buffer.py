@@ -73,7 +73,7 @@ written))``, then for each layer l: the layer's KV write + compute,
 BufferStep is what the scheduler half sends (``scheduler._buffer_step``):
 ``resident`` = the blocks holding tokens before the step's first new token
 (the same bytes as the idealised pipeline loads), ``written`` = the step's
-new blocks. ``--real-resident scheduler`` passes every block of the request
+new blocks. ``--real-resident every`` passes every block of the request
 instead (prefill then also loads the blocks it overwrites; the H200 figures
 in the closing note of issue 6 were taken that way). What the real
 code does differently from the idealised pipeline above (see
@@ -393,7 +393,7 @@ class RealBuffer:
         self.create_s = time.perf_counter() - t0
         # Page-locked bytes of the host copy: registered exactly, not rounded up.
         self.host_pinned = None if step.acc.device.type == "cpu" else self.lb.host_bytes
-        ids = step.all_ids if resident == "scheduler" else step.load_ids
+        ids = step.all_ids if resident == "every" else step.load_ids
         self.bstep = BufferStep(resident=ids.cpu().tolist(), written=step.new_ids.cpu().tolist())
         self.load_blocks = len(self.bstep.resident)
         self.stats: dict[str, float] = {}
@@ -560,7 +560,7 @@ def run_checks(acc: Accel, m: Model, batches: list[Batch], host_pool: torch.Tens
         step = Step(acc, m, b, host_pool, max(args.s_values), gen)
         x0 = torch.randn(tokens_of(b), m.hidden, generator=gen).to(acc.device, DTYPE)
         out[f"{b.phase} {b.label()}"] = step.check(w, x0, args.s_values)
-        for s in args.real_s_values if step.n_load or args.real_resident == "scheduler" else []:
+        for s in args.real_s_values if step.n_load or args.real_resident == "every" else []:
             real = RealBuffer(step, s, args.real_staging_bytes, args.real_resident)
             out[f"{b.phase} {b.label()}"][f"vllm_aio S={s}"] = real.check(w, x0)
             del real
@@ -659,7 +659,7 @@ def main() -> int:
     parser.add_argument("--real-staging-mib", type=int, default=2048, help="LayerBuffer's staging_bytes")
     parser.add_argument("--real-repeats", type=int, default=3,
                         help="repetitions of the real LayerBuffer modes (the first ones of --repeats)")
-    parser.add_argument("--real-resident", choices=("scheduler", "same"), default="same",
+    parser.add_argument("--real-resident", choices=("prefix", "every"), default="prefix",
                         help="BufferStep.resident: the blocks holding earlier tokens (what the scheduler half "
                              "sends, = the idealised load set), or every block of the request (the stress case: "
                              "prefill also loads the blocks it then overwrites)")
@@ -714,7 +714,7 @@ def main() -> int:
     print(f"\nThe connector's LayerBuffer (vllm_aio S=<n>, real code) next to the idealised pipeline, same run: "
           f"median of {args.real_repeats} (interleaved with the first repetitions above), "
           f"staging {args.real_staging_mib} MiB, BufferStep.resident = "
-          + ("the blocks holding earlier tokens, as the scheduler sends them" if args.real_resident == "same"
+          + ("the blocks holding earlier tokens, as the scheduler sends them" if args.real_resident == "prefix"
              else "every block of the request") + "; "
           f"host copy = L x blocks x {m.block_bytes // 1024} KiB (in parentheses: page-locked bytes, "
           f"registered exactly); forward-thread host ms per step (median) inside "
