@@ -73,6 +73,11 @@ class Device:
             (stream or torch.accelerator.current_stream(self.torch_device)).wait_event(event)
 
     @staticmethod
+    def completed(event: torch.Event | None) -> bool:
+        """Whether ``event`` has completed, without waiting (None: nothing to wait for)."""
+        return event is None or event.query()
+
+    @staticmethod
     def synchronize(event: torch.Event | None) -> None:
         """Block the calling host thread until ``event`` has completed."""
         if event is not None:

@@ -23,8 +23,9 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 from vllm_aio.backends.base import Segment
 
@@ -163,24 +164,35 @@ def copy_all(batch: CopyBatch, threads: int | None = None) -> None:
     if parts <= 1:
         _run(batch.dst, batch.src, batch.size)
         return
-    chunks = _split(batch, parts, nbytes)
-    futures: list[Future[None]] = []
+    run_parallel([partial(_run, *chunk) for chunk in _split(batch, parts, nbytes)], parts)
+
+
+def run_parallel(tasks: Sequence[Callable[[], object]], threads: int) -> None:
+    """Run ``tasks``: with ``threads`` > 1, the first on the calling thread, the rest on the copy threads.
+
+    For work that releases the GIL (memmove, numpy copies). Returns once every
+    task has finished, even if one failed (none may still be writing into the
+    caller's buffers), then re-raises the first failure.
+    """
+    if threads <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            task()
+        return
+    futures: list[Future[object]] = []
     try:
-        executor = _executor(parts - 1)
-        for chunk in chunks[1:]:
-            futures.append(executor.submit(_run, *chunk))
-    except RuntimeError:  # the pool is shut down (interpreter exit): copy the rest here
-        for chunk in chunks[1 + len(futures):]:
-            _run(*chunk)
+        executor = _executor(len(tasks) - 1)
+        for task in tasks[1:]:
+            futures.append(executor.submit(task))
+    except RuntimeError:  # the pool is shut down (interpreter exit): run the rest here
+        for task in tasks[1 + len(futures):]:
+            task()
     try:
-        _run(*chunks[0])  # the caller copies too rather than idling while it waits
+        tasks[0]()  # the caller works too rather than idling while it waits
     finally:
-        # Wait for every chunk even if one failed: none may still be writing
-        # into the caller's buffers once we return.
         for future in futures:
             future.exception()
     for future in futures:
-        future.result()  # re-raise the first failure, if any
+        future.result()
 
 
 def _run(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]) -> None:

@@ -38,7 +38,7 @@ import torch
 
 from vllm_aio.backends import Backend, Status
 from vllm_aio.connector.block_layout import BlockLayout
-from vllm_aio.connector.staging import Slice, StagingBuffer
+from vllm_aio.connector.staging import Slice, StagingBuffer, even_ranges
 from vllm_aio.device import Device
 from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader, describe
@@ -265,11 +265,7 @@ class _Copied:
 
 def _chunks(n: int, value_bytes: int) -> list[tuple[int, int]]:
     """Even [start, end) row ranges of at most about _CHUNK_BYTES each."""
-    if n == 0:
-        return []
-    count = -(-n * value_bytes // _CHUNK_BYTES)
-    rows = -(-n // count)
-    return [(start, min(n, start + rows)) for start in range(0, n, rows)]
+    return even_ranges(n, _CHUNK_BYTES // value_bytes)
 
 
 def _check_headers(stored: torch.Tensor, expected: list[bytes], statuses: list[Status]) -> list[Status]:

@@ -14,7 +14,8 @@ not per block: per-block copies used a fifth of an H200's PCIe link).
 
 ``gather_planes`` and ``scatter_planes`` are the host fast paths (the dynamic
 buffer's host copy): numpy's row-wise take and fancy assignment, straight
-into the destination, the blocks shared out over a few threads. ``gather``
+into the destination, the blocks shared out over the copy threads of
+``backends/segments.py``. ``gather``
 allocates ``index_select``'s result and copies it again (~2.5 GB/s on the
 H200 host; 1.3 GB/s on a dev box where numpy's take reaches 5.7-6.6 GB/s on
 one thread), and ``index_copy_`` on the CPU copies element by element (1.1
@@ -23,10 +24,7 @@ GB/s there against 8.6-10.5 GB/s for numpy's fancy assignment).
 
 from __future__ import annotations
 
-import os
-import threading
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -34,7 +32,7 @@ import numpy as np
 import torch
 
 from vllm_aio.backends import Segment
-from vllm_aio.backends.segments import copy_threads
+from vllm_aio.backends.segments import copy_threads, run_parallel
 
 # A thread is given at least this much to copy: waking one and waiting for it
 # costs tens of microseconds, 1 MiB takes ~100 us on one core.
@@ -114,7 +112,7 @@ class BlockLayout:
         ids = block_ids.numpy()
         rows = self.plane_rows(layer, out, n)
         threads, parts = self._parts(layer, n)
-        _run_parallel([
+        run_parallel([
             partial(_take_rows, p, ids[a:b], r[a:b]) for p, r in zip(self.planes[layer], rows) for a, b in parts
         ], threads)
 
@@ -129,7 +127,7 @@ class BlockLayout:
         ids = block_ids.numpy()
         rows = self.plane_rows(layer, src, n)
         threads, parts = self._parts(layer, n)
-        _run_parallel([
+        run_parallel([
             partial(_assign_rows, p.blocks.numpy(), ids[a:b], r[a:b].numpy())
             for p, r in zip(self.planes[layer], rows)
             for a, b in parts
@@ -184,50 +182,3 @@ def _take_rows(plane: _Plane, ids: np.ndarray, out: torch.Tensor) -> None:
 
 def _assign_rows(dst: np.ndarray, ids: np.ndarray, src: np.ndarray) -> None:
     dst[ids] = src
-
-
-def _run_parallel(tasks: list[Callable[[], object]], threads: int) -> None:
-    """Run ``tasks``: with ``threads`` > 1, the first on the calling thread, the rest on the host copy threads."""
-    if threads <= 1 or len(tasks) <= 1:
-        for task in tasks:
-            task()
-        return
-    futures: list[Future[object]] = []
-    try:
-        executor = _executor()
-        for task in tasks[1:]:
-            futures.append(executor.submit(task))
-    except RuntimeError:  # the pool is shut down (interpreter exit): copy the rest here
-        for task in tasks[1 + len(futures):]:
-            task()
-    try:
-        tasks[0]()
-    finally:
-        # Every part must be done before the caller reuses the buffers, even on failure.
-        for future in futures:
-            future.exception()
-    for future in futures:
-        future.result()
-
-
-# ---- the host copy threads --------------------------------------------------
-_executor_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-
-
-def _executor() -> ThreadPoolExecutor:
-    """One process-wide pool, created on first use (threads start on demand, join at exit)."""
-    global _pool
-    with _executor_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max(1, copy_threads() - 1), thread_name_prefix="vllm_aio-layout")
-        return _pool
-
-
-def _forget_pool_in_child() -> None:
-    # A forked child inherits the pool object but not its threads.
-    global _pool, _executor_lock
-    _executor_lock, _pool = threading.Lock(), None
-
-
-os.register_at_fork(after_in_child=_forget_pool_in_child)

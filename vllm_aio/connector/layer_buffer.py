@@ -69,11 +69,9 @@ import numpy as np
 import torch
 
 from vllm_aio.connector.block_layout import BlockLayout
-from vllm_aio.connector.staging import Slice, StagingBuffer
+from vllm_aio.connector.staging import Slice, StagingBuffer, even_ranges
 from vllm_aio.device import Device, HostMemory
-from vllm_aio.log import get_logger
 
-logger = get_logger(__name__)
 
 # A run of consecutive blocks whose every plane is at least this large is
 # copied in place, host copy <-> device buffer, without staging.
@@ -268,7 +266,7 @@ class LayerBuffer:
 
     def _retire(self, wait: bool = False) -> None:
         """Complete the copies that have landed (all of them, waiting, if ``wait``), oldest first."""
-        while self._pending and (wait or _completed(self._pending[0].event)):
+        while self._pending and (wait or Device.completed(self._pending[0].event)):
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
@@ -279,10 +277,6 @@ class LayerBuffer:
                 pending.finish()
         finally:
             self._staging.release(pending.piece)
-
-
-def _completed(event: torch.Event | None) -> bool:
-    return event is None or event.query()
 
 
 def _host_copy(
@@ -321,6 +315,4 @@ def _runs(block_ids: Sequence[int], min_run: int) -> tuple[list[tuple[int, int]]
 
 def _even_chunks(ids: torch.Tensor, max_rows: int) -> list[torch.Tensor]:
     """``ids`` in as few chunks of at most ``max_rows`` as possible, of nearly equal sizes (none for no ids)."""
-    if not len(ids):
-        return []
-    return list(torch.tensor_split(ids, -(-len(ids) // max_rows)))
+    return [ids[a:b] for a, b in even_ranges(len(ids), max_rows)]

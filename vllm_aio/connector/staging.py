@@ -85,7 +85,7 @@ class StagingBuffer:
             self._free(piece)
 
     def _release_completed(self) -> None:
-        while self._after and _completed(self._after[0][1]):
+        while self._after and Device.completed(self._after[0][1]):
             self._free(self._after.popleft()[0])
 
     def _free(self, piece: Slice) -> None:
@@ -108,5 +108,14 @@ class StagingBuffer:
 
 
 
-def _completed(event: torch.Event | None) -> bool:
-    return event is None or event.query()
+def even_ranges(n: int, max_rows: int) -> list[tuple[int, int]]:
+    """[start, end) ranges covering ``n`` rows in as few pieces of at most ``max_rows`` as possible,
+    their sizes differing by at most one (a batch moved through staging piece by piece)."""
+    if n <= 0:
+        return []
+    count = -(-n // max(1, max_rows))
+    base, extra = divmod(n, count)
+    bounds = [0]
+    for i in range(count):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return list(zip(bounds, bounds[1:]))

@@ -245,7 +245,7 @@ class AioWorker:
                 continue
             try:
                 statuses, copied = load.future.result()
-                if copied is not None and not copied.query():
+                if not self._io.device.completed(copied):
                     continue  # still on its way to the device
             except Exception as exc:
                 statuses = self._pool_failed(exc, load.batch)
