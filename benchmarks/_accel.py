@@ -1,4 +1,4 @@
-"""Device plumbing shared by the torch-only GPU benchmarks (layer_pipeline, dynamic_buffer).
+"""Plumbing shared by the torch-only GPU benchmarks (layer_pipeline, dynamic_buffer, block_io_device).
 
 Streams and events through torch's accelerator API; on the CPU everything runs
 synchronously and wall-clock stand-ins replace the events, so ``--device cpu``
@@ -112,3 +112,13 @@ def copy_bandwidth(acc: Accel, host: torch.Tensor, nbytes: int, reps: int = 5) -
         out[f"{name}_GBps"] = nbytes / (statistics.median(samples[1:]) * 1e-3) / 1e9
     del dev
     return out
+
+
+def print_markdown(head: list[str], body: list[list[str]]) -> None:
+    """A right-aligned markdown table."""
+    table = [head] + body
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    for i, r in enumerate(table):
+        print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")

@@ -83,6 +83,7 @@ from vllm_aio.device import Device  # noqa: E402
 from vllm_aio.pool import host_pool  # noqa: E402
 from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader  # noqa: E402
 from vllm_aio.pool.keys import Unit  # noqa: E402
+from _accel import print_markdown  # noqa: E402  (benchmarks/ is on sys.path)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "block_io_device.json"
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -342,15 +343,6 @@ def _shm_free() -> int:
 def fmt(row: dict, key: str, spec: str = ".2f") -> str:
     v = row.get(key)
     return "n/a" if v is None else format(v, spec)
-
-
-def print_markdown(head: list[str], body: list[list[str]]) -> None:
-    table = [head] + body
-    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    for i, r in enumerate(table):
-        print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
-        if i == 0:
-            print("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
 
 
 def print_tables(rows: list[dict]) -> None:

@@ -132,7 +132,7 @@ from vllm_aio.device import Device  # noqa: E402
 from vllm_aio.pool import host_pool  # noqa: E402
 from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader  # noqa: E402
 from vllm_aio.pool.keys import Unit  # noqa: E402
-from _accel import Accel, copy_bandwidth, timed  # noqa: E402  (benchmarks/ is on sys.path)
+from _accel import Accel, copy_bandwidth, print_markdown, timed  # noqa: E402  (benchmarks/ is on sys.path)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "layer_pipeline.json"
 MiB, GiB = 1 << 20, 1 << 30
@@ -563,15 +563,6 @@ def run_prefix(acc: Accel, m: Model, tokens: int, ratios: list[float], host_pool
     if acc.device.type == "cuda":
         torch.cuda.empty_cache()
     return rows, extra
-
-
-def print_markdown(head: list[str], body: list[list[str]]) -> None:
-    table = [head] + body
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    for i, row in enumerate(table):
-        print("| " + " | ".join(c.rjust(wd) for c, wd in zip(row, widths)) + " |")
-        if i == 0:
-            print("|" + "|".join("-" * (wd + 1) + ":" for wd in widths) + "|")
 
 
 def print_tables(rows: list[dict]) -> None:
