@@ -51,11 +51,17 @@ def run(spec: dict) -> dict:
             _handshake(Path(spec["handshake_dir"]), i)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
         rounds.append([_result(o) for o in outputs])
-    return {"rounds": rounds, "preemptions": _counter(llm, "vllm:num_preemptions")}
+    return {"rounds": rounds, "preemptions": _counter(llm, "vllm:num_preemptions"), "aio": _aio_counters(llm)}
 
 
 def _counter(llm, name: str) -> int:
     return int(sum(m.value for m in llm.get_metrics() if m.name == name))
+
+
+def _aio_counters(llm) -> dict[str, float]:
+    """The connector's own counters (``vllm:aio_<name>_total``), by name."""
+    prefix = "vllm:aio_"
+    return {m.name[len(prefix):]: m.value for m in llm.get_metrics() if m.name.startswith(prefix)}
 
 
 def _handshake(directory: Path, round_index: int) -> None:

@@ -150,3 +150,63 @@ def test_batches_split_into_chunks_keep_every_block_and_every_status(device_and_
     blocks = (lambda t, ids: t[ids] if len(shape) == 4 else t[:, ids])
     for n in LAYERS:
         assert torch.equal(blocks(dst[n], [0, 5, 11]), blocks(src[n], [3, 7, 2]))
+
+
+class DistinctKeysOnly(LocalBackend):
+    """The embedded pool, refusing what Mooncake mishandles: one key twice in a batch.
+
+    Mooncake's ``batch_get_into`` answers success for both occurrences of a
+    repeated key and writes only one destination; a batch reaching a backend
+    must name each key once.
+    """
+
+    def batch_get(self, keys, segments):
+        assert len(set(keys)) == len(keys), "a key repeated within one get batch"
+        return super().batch_get(keys, segments)
+
+    def batch_put(self, keys, segments):
+        assert len(set(keys)) == len(keys), "a key repeated within one put batch"
+        return super().batch_put(keys, segments)
+
+
+def shared_prefix_refs(block_ids, hashes):
+    return [BlockRef(b, h) for b, h in zip(block_ids, hashes)]
+
+
+@pytest.mark.parametrize("unit", [EVERY_LAYER, LAYER_1], ids=["every_layer", "one_layer"])
+def test_blocks_sharing_a_key_in_one_load_all_receive_its_value(device_and_shape, unit):
+    device, shape = device_and_shape
+    probe, _, _ = make_io(device, shape, None, seed=1)
+    backend = DistinctKeysOnly(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, probe.value_bytes(unit), seal=True)
+    saver, src, _ = make_io(device, shape, backend, seed=1)
+    assert saver.save(refs([3, 7]), unit, saver.device.record(), CopyHandoff()) == [Status.OK] * 2
+    loader, dst, _ = make_io(device, shape, backend, seed=2)
+    # Two requests with the same two-block prefix, loaded in one step into blocks of their own.
+    wanted = shared_prefix_refs([0, 5, 9, 11], [b"b0", b"b1", b"b0", b"b1"])
+    assert loaded(loader, wanted, unit) == [Status.OK] * 4
+    blocks = (lambda t, ids: t[ids] if len(shape) == 4 else t[:, ids])
+    for i in unit.layers:
+        n = LAYERS[i]
+        assert torch.equal(blocks(dst[n], [0, 5, 9, 11]), blocks(src[n], [3, 7, 3, 7]))
+
+
+def test_a_shared_key_that_fails_fails_for_every_block_naming_it(device_and_shape):
+    device, shape = device_and_shape
+    probe, _, _ = make_io(device, shape, None, seed=1)
+    backend = DistinctKeysOnly(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, probe.value_bytes(EVERY_LAYER), seal=True)
+    saver, _, _ = make_io(device, shape, backend, seed=1)
+    saver.save(refs([3]), EVERY_LAYER, saver.device.record(), CopyHandoff())
+    loader, _, _ = make_io(device, shape, backend, seed=2)
+    wanted = shared_prefix_refs([0, 5, 9, 11], [b"b0", b"gone", b"b0", b"gone"])
+    assert loaded(loader, wanted, EVERY_LAYER) == [Status.OK, Status.MISSING, Status.OK, Status.MISSING]
+
+
+def test_blocks_sharing_a_key_in_one_save_are_put_once(device_and_shape):
+    device, shape = device_and_shape
+    probe, _, _ = make_io(device, shape, None, seed=1)
+    backend = DistinctKeysOnly(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, probe.value_bytes(EVERY_LAYER), seal=True)
+    saver, _, _ = make_io(device, shape, backend, seed=1)
+    batch = shared_prefix_refs([3, 7, 9, 10], [b"b0", b"b1", b"b0", b"b1"])
+    statuses = saver.save(batch, EVERY_LAYER, saver.device.record(), CopyHandoff())
+    assert statuses == [Status.OK, Status.OK, Status.EXISTS, Status.EXISTS]
+    assert backend.pool.usage().num_ready == 2

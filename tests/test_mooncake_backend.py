@@ -10,6 +10,7 @@ rather than returning a short byte count.
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -32,7 +33,8 @@ from vllm_aio.backends.mooncake import (
     get_status,
     put_status,
 )
-from vllm_aio.config import ConfigError
+from vllm_aio.backends import create_backend
+from vllm_aio.config import ConfigError, parse_extra_config
 from vllm_aio.devtools.mooncake_pool import CLIENT_TTL, MooncakePool, free_port
 
 pytest_plugins = ["mooncake_fixtures"]
@@ -131,6 +133,18 @@ def test_put_existing_key_keeps_old_value(mooncake_backend: MooncakeBackend) -> 
     assert status.stored and status is Status.OK
     assert mooncake_backend.batch_get([key], blocks.segments(blocks.dst)) == [Status.OK]
     assert torch.equal(blocks.dst, first)
+
+
+def test_key_repeated_in_one_batch_fills_its_first_destination_and_the_repeat_is_an_error(
+    mooncake_backend: MooncakeBackend,
+) -> None:
+    # The raw client answers success for both and fills only the last destination.
+    [key] = unique()
+    blocks = Blocks(mooncake_backend, 2)
+    assert mooncake_backend.batch_put([key, key], blocks.segments(blocks.src)) == [Status.OK, Status.ERROR]
+    segments = blocks.segments(blocks.dst)
+    assert mooncake_backend.batch_get([key, key], segments) == [Status.OK, Status.ERROR]
+    assert blocks.equal(0)
 
 
 def test_get_missing_key(mooncake_backend: MooncakeBackend) -> None:
@@ -235,6 +249,68 @@ def test_dev_pool_master_keeps_a_silent_client_for_a_minute(mooncake_pool_factor
     assert f"client_ttl={CLIENT_TTL}," in (pool.log_dir / "master.log").read_text()
 
 
+def tenant_pool(factory: Callable[..., MooncakePool], tmp_path: Any, tenants: tuple[str, ...]) -> MooncakePool:
+    """A pool whose master keeps the tenants' keys apart (puts of tenants it does not name fail)."""
+    quota = tmp_path / "tenants.yaml"
+    quota.write_text("version: 1\ntenants:\n" + "".join(f"  - name: {t}\n    quota: 32MB\n" for t in tenants))
+    return factory(master_args=("--enable_multi_tenants=true", f"--tenant_quota_connector_uri={quota}"))
+
+
+@pytest.fixture
+def no_mooncake_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``create_backend`` reads the process environment: keep the caller's Mooncake variables out."""
+    for name in ("MOONCAKE_CONFIG_PATH", "MOONCAKE_MASTER", "MOONCAKE_GLOBAL_SEGMENT_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def open_client(pool: MooncakePool, tenant: str, for_scheduler: bool) -> MooncakeBackend:
+    """A client as the connector opens it, from inline settings."""
+    cfg = parse_extra_config({"backend": "mooncake", **pool.config, "tenant_id": tenant}, environ={})
+    backend = create_backend(cfg, "unused", 0, for_scheduler=for_scheduler)
+    assert isinstance(backend, MooncakeBackend)
+    return backend
+
+
+@pytest.mark.usefixtures("no_mooncake_env")
+def test_scheduler_client_keeps_the_workers_tenant(
+    mooncake_pool_factory: Callable[..., MooncakePool], tmp_path: Any
+) -> None:
+    pool = tenant_pool(mooncake_pool_factory, tmp_path, ("a", "b"))
+    worker, scheduler, other = (open_client(pool, "a", False), open_client(pool, "a", True),
+                                open_client(pool, "b", True))
+    try:
+        keys = unique(2)
+        blocks = Blocks(worker, len(keys))
+        assert worker.batch_put(keys, blocks.segments(blocks.src)) == [Status.OK] * 2
+        assert scheduler.batch_exists(keys) == [True, True]
+        assert other.batch_exists(keys) == [False, False]
+    finally:
+        for backend in (worker, scheduler, other):
+            backend.close()
+
+
+@pytest.mark.usefixtures("no_mooncake_env")
+def test_tenants_see_none_of_each_others_keys_on_a_master_without_multi_tenants(
+    mooncake_pool_factory: Callable[..., MooncakePool],
+) -> None:
+    # Mooncake 0.3.13 shares keys between tenants unless the master enforces
+    # tenants; the backend keeps each tenant's keys in a key space of its own.
+    pool = mooncake_pool_factory()
+    writer, reader, default = open_client(pool, "a", False), open_client(pool, "b", True), open_client(
+        pool, "default", True
+    )
+    try:
+        keys = unique()
+        blocks = Blocks(writer, 1)
+        assert writer.batch_put(keys, blocks.segments(blocks.src)) == [Status.OK]
+        assert reader.batch_exists(keys) == [False]
+        assert default.batch_exists(keys) == [False]
+        assert writer.batch_exists(keys) == [True]
+    finally:
+        for backend in (writer, reader, default):
+            backend.close()
+
+
 def test_unreachable_master_fails_setup_fast() -> None:
     address = f"127.0.0.1:{free_port()}"
     settings = MooncakeSettings.load({"master_server_address": address}, environ={})
@@ -319,10 +395,112 @@ def test_settings_errors(inline: dict[str, Any], environ: dict[str, str], match:
 
 
 def test_unknown_key_in_file_names_the_file(tmp_path: Any) -> None:
-    path = tmp_path / "mc.json"
-    path.write_text(json.dumps({"master_server_address": "h:1", "use_ascend_direct": True}))
-    with pytest.raises(ConfigError, match=f"use_ascend_direct in MOONCAKE_CONFIG_PATH file {path}"):
-        MooncakeSettings.load({}, {"MOONCAKE_CONFIG_PATH": str(path)})
+    environ = settings_file(tmp_path, {"master_server_address": "h:1", "protocl": "tcp"})
+    with pytest.raises(ConfigError, match=f"protocl in MOONCAKE_CONFIG_PATH file {environ['MOONCAKE_CONFIG_PATH']}"):
+        MooncakeSettings.load({}, environ)
+
+
+# Files as other connectors read them from MOONCAKE_CONFIG_PATH: vLLM 0.32's
+# MooncakeStoreConnector (vllm/distributed/mooncake_store.py) and vllm-ascend's
+# AscendStoreConnector (ascend_store/backend/mooncake_backend.py, keys of its versions).
+VLLM_FILE = {
+    "metadata_server": "P2PHANDSHAKE", "master_server_address": "10.0.0.1:50051", "protocol": "rdma",
+    "device_name": "mlx5_0", "mode": "embedded", "global_segment_size": "4GB", "local_buffer_size": "1GB",
+    "enable_offload": False, "tenant_id": " team-a ",
+}
+ASCEND_FILE = {
+    "local_hostname": "10.0.0.2", "metadata_server": "P2PHANDSHAKE", "protocol": "ascend", "device_name": "",
+    "use_ascend_direct": True, "alloc_in_same_node": True, "prefer_alloc_in_same_node": True,
+    "preferred_segment": False, "master_server_address": "10.0.0.1:50088", "global_segment_size": "1GB",
+    "local_buffer_size": 0, "enable_ssd_offload": False, "ssd_offload_path": "", "tenant_id": None,
+}
+
+
+def settings_file(tmp_path: Any, values: dict[str, Any]) -> dict[str, str]:
+    """The environment naming a settings file that holds ``values``."""
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(values))
+    return {"MOONCAKE_CONFIG_PATH": str(path)}
+
+
+def test_vllm_store_connector_file_loads(tmp_path: Any) -> None:
+    settings = MooncakeSettings.load({}, settings_file(tmp_path, VLLM_FILE))
+    assert settings == MooncakeSettings(
+        master_server_address="10.0.0.1:50051", protocol="rdma", device_name="mlx5_0",
+        global_segment_size=4 << 30, local_buffer_size=1 << 30, tenant_id="team-a",
+    )
+
+
+def test_vllm_ascend_store_file_loads(tmp_path: Any) -> None:
+    settings = MooncakeSettings.load({}, settings_file(tmp_path, ASCEND_FILE))
+    assert settings == MooncakeSettings(
+        master_server_address="10.0.0.1:50088", local_hostname="10.0.0.2", protocol="ascend",
+        global_segment_size=1 << 30, local_buffer_size=0, tenant_id="default",
+    )
+
+
+def test_ignored_file_keys_are_logged_once_in_one_line(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    environ = settings_file(tmp_path, ASCEND_FILE)
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        MooncakeSettings.load({}, environ)
+        MooncakeSettings.load({}, environ)  # the scheduler's client and a worker's, in one process
+    [line] = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert "\n" not in line
+    for key in ("use_ascend_direct", "alloc_in_same_node", "prefer_alloc_in_same_node", "preferred_segment",
+                "enable_ssd_offload", "ssd_offload_path"):
+        assert key in line
+    assert "mooncake_client --enable_offload" in line  # and why
+
+
+@pytest.mark.parametrize("mode", ["standalone", "EMBEDDED", 1])
+def test_bad_mode_fails_naming_the_key_and_the_accepted_values(tmp_path: Any, mode: Any) -> None:
+    environ = settings_file(tmp_path, {"master_server_address": "h:1", "mode": mode})
+    with pytest.raises(ConfigError, match=r"^mode: expected one of embedded, standalone-store, got"):
+        MooncakeSettings.load({}, environ)
+
+
+@pytest.mark.parametrize("size", [0, "0GB", "absent"])
+def test_standalone_store_contributes_no_memory(tmp_path: Any, size: Any) -> None:
+    values = {"master_server_address": "h:1", "mode": "standalone-store", "global_segment_size": size}
+    if size == "absent":
+        del values["global_segment_size"]
+    assert MooncakeSettings.load({}, settings_file(tmp_path, values)).global_segment_size == 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "size", "match"),
+    [("standalone-store", "4GB", r'mode "standalone-store" .* contributes no memory, but global_segment_size is'),
+     ("embedded", 0, r'mode "embedded" .* but it is 0 or missing')],
+)
+def test_mode_contradicting_the_segment_size_fails_as_in_vllm(tmp_path: Any, mode: str, size: Any, match: str) -> None:
+    environ = settings_file(tmp_path, {"master_server_address": "h:1", "mode": mode, "global_segment_size": size})
+    with pytest.raises(ConfigError, match=r"^mode, global_segment_size: " + match):
+        MooncakeSettings.load({}, environ)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("a", "a"), (" a ", "a"), ("", "default"), (None, "default")])
+def test_tenant_id_is_normalised_as_in_vllm(tmp_path: Any, value: Any, expected: str) -> None:
+    environ = settings_file(tmp_path, {"master_server_address": "h:1", "tenant_id": value})
+    assert MooncakeSettings.load({}, environ).tenant_id == expected
+
+
+@pytest.mark.parametrize("value", [3, ["a"], "a\nb"])
+def test_bad_tenant_id_fails_naming_the_key(value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^tenant_id: expected a string"):
+        MooncakeSettings.load({"master_server_address": "h:1", "tenant_id": value}, environ={})
+
+
+def test_inline_settings_accept_tenant_id() -> None:
+    cfg = parse_extra_config({"backend": "mooncake", "master_server_address": "h:1", "tenant_id": "a"}, environ={})
+    assert MooncakeSettings.load(cfg.mooncake, environ={}).tenant_id == "a"
+
+
+@pytest.mark.parametrize("key", ["alloc_in_same_node", "mode", "enable_offload"])
+def test_inline_foreign_keys_still_fail(key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^unknown key\(s\) {key} in kv_connector_extra_config"):
+        parse_extra_config({"backend": "mooncake", "master_server_address": "h:1", key: True}, environ={})
+    with pytest.raises(ConfigError, match=rf"^unknown key\(s\) {key} in the inline Mooncake settings"):
+        MooncakeSettings.load({"master_server_address": "h:1", key: True}, environ={})
 
 
 def test_code_mapping() -> None:

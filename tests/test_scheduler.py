@@ -171,6 +171,37 @@ def test_allocated_hit_becomes_a_load_of_exactly_the_pool_blocks():
     assert sched.build_connector_meta(step()).loads == []
 
 
+def _two_requests_loading(sched, backend, dep):
+    """Requests a (blocks 10-14, pool hit 16 tokens after vLLM's 4) and b (20-24, 16 tokens) loading in one step."""
+    reqs = [Req("a", 22), Req("b", 22)]
+    for req, ids in zip(reqs, ([10, 11, 12, 13, 14], [20, 21, 22, 23, 24])):
+        store(backend, dep, req, 5)
+        n, _ = sched.get_num_new_matched_tokens(req, 4)
+        sched.update_state_after_alloc(req, blocks(ids), n)
+    sched.build_connector_meta(
+        step(new=[("a", [10, 11, 12, 13, 14], 4), ("b", [20, 21, 22, 23, 24], 4)], scheduled={"a": 2, "b": 2})
+    )
+
+
+def test_hit_tokens_whose_load_failed_are_counted_from_the_first_failed_block_once():
+    backend, dep = DictBackend(), deployment()
+    sched = AioScheduler(dep, backend)
+    _two_requests_loading(sched, backend, dep)
+    sched.update_connector_output({12, 14})  # a: tokens 8-19 (blocks 12-14) recomputed; b loaded
+    sched.update_connector_output({12})  # reported again: counted once
+    assert sched.build_connector_meta(step()).lookups.failed_hit_tokens == 12
+    assert sched.build_connector_meta(step()).lookups.failed_hit_tokens == 0
+
+
+def test_failed_blocks_of_a_finished_or_preempted_request_count_for_nobody():
+    backend, dep = DictBackend(), deployment()
+    sched = AioScheduler(dep, backend)
+    _two_requests_loading(sched, backend, dep)
+    sched.build_connector_meta(step(cached=[("b", [30, 31], 4, True)], scheduled={"b": 4}, finished=["a"]))
+    sched.update_connector_output({11, 21})  # the old blocks of both, now another request's
+    assert sched.build_connector_meta(step()).lookups.failed_hit_tokens == 0
+
+
 def test_zero_external_tokens_loads_nothing():
     backend, dep = DictBackend(), deployment()
     req = Req("a", 20)

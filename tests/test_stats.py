@@ -73,6 +73,7 @@ def test_reduce_of_empty_stats_reports_zero_rates():
     assert AioConnectorStats().reduce() == {
         "pool_hit_rate": 0.0,
         "hit_tokens": 0,
+        "failed_hit_tokens": 0,
         "loaded_MB": 0.0,
         "load_GBps": 0.0,
         "saved_MB": 0.0,
@@ -113,9 +114,9 @@ def test_reduce_rate_is_zero_when_no_time_was_spent():
 
 def test_reduce_passes_failure_counts_through():
     stats = AioConnectorStats()
-    stats.add(load_failures=2, save_failures=3)
+    stats.add(load_failures=2, save_failures=3, failed_hit_tokens=64)
     reduced = stats.reduce()
-    assert (reduced["load_failures"], reduced["save_failures"]) == (2, 3)
+    assert (reduced["load_failures"], reduced["save_failures"], reduced["failed_hit_tokens"]) == (2, 3, 64)
 
 
 def test_reduce_after_aggregating_two_workers_uses_the_sums():

@@ -173,7 +173,8 @@ def parse_extra_config(
 
     Mooncake's own keys (``master_server_address``, ``protocol``, ...) are
     accepted at the top level, as vllm-ascend users write them, and collected
-    into ``mooncake``.
+    into ``mooncake``. Unlike a ``MOONCAKE_CONFIG_PATH`` file, they stay
+    strict: keys of other connectors (``alloc_in_same_node``) fail here.
     """
     environ = os.environ if environ is None else environ
     fields = {f.name: f for f in dataclasses.fields(AioConfig) if f.name != "mooncake"}

@@ -27,7 +27,7 @@ def create_backend(cfg: AioConfig, pool_name: str, value_bytes: int, for_schedul
         from vllm_aio.backends.mooncake import MooncakeBackend, MooncakeSettings
 
         settings = MooncakeSettings.load(cfg.mooncake)
-        if for_scheduler:
+        if for_scheduler:  # same tenant_id: its lookups must see the workers' keys
             settings = dataclasses.replace(settings, global_segment_size=0)
         return MooncakeBackend(settings)
     if cfg.backend == "memcache":

@@ -7,7 +7,11 @@ segments and its own memory. Addresses make the contract identical for the
 embedded pool (memcpy), Mooncake (``batch_put_from_multi_buffers``) and
 Memcache, and let zero-copy backends register the KV cache once.
 
-Every call is batched and returns one typed ``Status`` per key. A backend never
+Every call is batched and returns one typed ``Status`` per key. The keys of one
+put or get batch are distinct (``connector/block_io.py`` reads a key shared by
+several blocks once): a store may mishandle a repeat (Mooncake answers success
+for both and fills one destination), so a backend answers a repeat ``ERROR``
+without running it (``distinct_only``). A backend never
 raises for a per-key condition (missing, pool full, short value); it raises only
 when it cannot serve at all (e.g. closed), which the caller turns into misses.
 """
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 Segment = tuple[int, int]  # (address, size in bytes)
 
@@ -73,3 +77,22 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release everything the backend holds; later calls fail."""
+
+
+BatchOp = Callable[[Sequence[str], Sequence[Sequence[Segment]]], list[Status]]
+
+
+def distinct_only(op: BatchOp, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+    """``op`` on the first occurrence of each key; a repeated key is answered ``ERROR``."""
+    if len(keys) != len(segments):
+        raise ValueError(f"{len(keys)} keys but {len(segments)} segment lists")
+    first: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    if len(first) == len(keys):
+        return op(keys, segments)
+    keep = sorted(first.values())
+    out = [Status.ERROR] * len(keys)
+    for i, status in zip(keep, op([keys[i] for i in keep], [segments[i] for i in keep])):
+        out[i] = status
+    return out

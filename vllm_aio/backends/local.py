@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_aio.backends.base import Backend, Segment, Status
+from vllm_aio.backends.base import Backend, Segment, Status, distinct_only
 from vllm_aio.backends.segments import CopyBatch, copy_all, total
 from vllm_aio.pool.host_pool import SharedHostPool, slots_for
 
@@ -29,9 +29,10 @@ class LocalBackend(Backend):
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self.pool.contains(keys)
 
-    def batch_put(
-        self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]
-    ) -> list[Status]:
+    def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+        return distinct_only(self._put_distinct, keys, segments)
+
+    def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
         out: list[Status] = []
         filled: list[int] = []  # slots copied into, published by commit
         positions: list[int] = []  # their positions in `keys`
@@ -59,9 +60,10 @@ class LocalBackend(Backend):
                 out[i] = Status.EXISTS
         return out
 
-    def batch_get(
-        self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]
-    ) -> list[Status]:
+    def batch_get(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+        return distinct_only(self._get_distinct, keys, segments)
+
+    def _get_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
         out: list[Status] = []
         copied: list[tuple[int, int, int]] = []  # (position in `keys`, slot, version)
         copies = CopyBatch()

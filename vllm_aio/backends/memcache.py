@@ -33,7 +33,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm_aio.backends.base import Backend, Segment, Status
+from vllm_aio.backends.base import Backend, Segment, Status, distinct_only
 from vllm_aio.backends.mooncake import _MasterLink, tcp_reachable  # shared TCP probe
 from vllm_aio.config import ConfigError
 
@@ -286,9 +286,15 @@ class MemcacheBackend(Backend):
         return [c == 1 for c in codes]
 
     def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+        return distinct_only(self._put_distinct, keys, segments)
+
+    def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
         return [put_status(c) for c in self._move(keys, segments, put=True)]
 
     def batch_get(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+        return distinct_only(self._get_distinct, keys, segments)
+
+    def _get_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
         codes = self._move(keys, segments, put=False)
         statuses = [get_status(c) for c in codes]
         unclear = [i for i, c in enumerate(codes) if c in _AMBIGUOUS_GET]

@@ -12,8 +12,11 @@ for 8 KiB pieces, measured by benchmarks/mooncake_backend.py).
 
 What this module adds over the raw client, each learned the hard way:
 
-- Settings users of vllm-ascend already know (``MOONCAKE_CONFIG_PATH`` JSON,
-  same keys), validated at start: a typo must fail, not silently miss.
+- Settings users of vLLM and vllm-ascend already know: a ``MOONCAKE_CONFIG_PATH``
+  file written for their connectors works unchanged. Keys that mean something
+  here are honoured (``tenant_id``; ``mode`` decides whether this engine
+  contributes memory), theirs that do not are ignored and named in one log
+  line, and any other key fails at start: a typo must fail, not silently miss.
 - Every return code becomes a typed ``Status``. The codes (``ErrorCode`` in
   Mooncake's ``types.h``; verified against a real master, see the tests):
   0 or a byte count on success; -200 pool full; -600 invalid parameters (also a
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -47,9 +51,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_aio.backends.base import Backend, Segment, Status
+from vllm_aio.backends.base import Backend, Segment, Status, distinct_only
 from vllm_aio.backends.segments import gather, scatter, total
 from vllm_aio.config import ConfigError, parse_size
+from vllm_aio.log import get_logger
+
+logger = get_logger(__name__)
 
 # Mooncake ErrorCode values this backend distinguishes.
 NO_AVAILABLE_HANDLE = -200  # no space left in any segment (pool full)
@@ -77,6 +84,34 @@ _ENV_SETUP_RETRIES = "MC_STORE_CLIENT_SETUP_RETRIES"
 _SETUP_RETRIES = "2"
 _ZERO_SIZE_RE = re.compile(r"^\s*0+(\.0+)?\s*([KMGT]?B?)\s*$", re.IGNORECASE)
 
+DEFAULT_TENANT_ID = "default"  # Mooncake's tenant when none is given
+# ``mode`` in vLLM's MooncakeStoreConnector files: whether the engine
+# contributes ``global_segment_size`` (embedded) or no memory (standalone-store).
+MODES = ("embedded", "standalone-store")
+# Keys that files written for vLLM's MooncakeStoreConnector
+# (vllm/distributed/mooncake_store.py) or vllm-ascend's AscendStoreConnector
+# (ascend_store/backend/mooncake_backend.py, over its versions) may hold and
+# that mean nothing to this backend: key -> why it is ignored. ``enable_offload``
+# too: vLLM never passes it to setup (it sizes vLLM's own disk staging), and
+# passing enable_ssd_offload to an engine's client fails setup (-1300) unless
+# the master runs with --enable_offload.
+_SSD_TIER = "the SSD tier is the memory owner's: mooncake_client --enable_offload"
+_PLACEMENT = "placement hints: puts use Mooncake's default placement"
+_IGNORED_FILE_KEYS = {
+    "enable_offload": _SSD_TIER,
+    "enable_ssd_offload": _SSD_TIER,
+    "ssd_offload_path": _SSD_TIER,
+    "enable_ssd_prefetch": _SSD_TIER,
+    "ssd_prefetch_cooldown_sec": _SSD_TIER,
+    "ssd_prefetch_dedup_ttl_sec": _SSD_TIER,
+    "ssd_get_wait_ms": _SSD_TIER,
+    "alloc_in_same_node": _PLACEMENT,
+    "prefer_alloc_in_same_node": _PLACEMENT,
+    "preferred_segment": _PLACEMENT,
+    "use_ascend_direct": "vllm-ascend's transport switch: protocol chooses the transport",
+    "staging_buffer_size": "vllm-ascend's device staging: this backend stages by itself",
+}
+
 
 class MooncakeUnavailableError(RuntimeError):
     """The Mooncake client cannot be imported or the master cannot be reached."""
@@ -101,9 +136,15 @@ class MooncakeSettings:
     # Bytes of the client's own transfer buffer (int or "16MB"); zero-copy
     # batches into registered memory do not use it.
     local_buffer_size: int = 16 << 20
+    # Mooncake tenant of every client of this engine (scheduler and workers).
+    # Its keys are scoped by it (``_scoped``), so tenants see none of each
+    # other's keys on any master; a master started with --enable_multi_tenants
+    # and a quota file also enforces quotas (there, puts of a tenant the file
+    # does not name fail). Null or blank in a file means "default", as in vLLM.
+    tenant_id: str = DEFAULT_TENANT_ID
 
     def __post_init__(self) -> None:
-        for field in ("metadata_server", "protocol"):
+        for field in ("metadata_server", "protocol", "tenant_id"):
             if not getattr(self, field):
                 raise ConfigError(f"{field}: must not be empty")
         _split_address("master_server_address", self.master_server_address)
@@ -115,8 +156,10 @@ class MooncakeSettings:
         """Settings from the ``MOONCAKE_CONFIG_PATH`` file, then ``inline``, then env overrides."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        mode = None
         if path := environ.get(_ENV_CONFIG_PATH):
-            values.update(_check_keys(_read_json(path), f"{_ENV_CONFIG_PATH} file {path}"))
+            file_values, mode = _read_file(path)
+            values.update(file_values)
         values.update(_check_keys(inline or {}, "the inline Mooncake settings"))
         for env, key in _ENV_OVERRIDES.items():
             if env in environ:
@@ -126,7 +169,10 @@ class MooncakeSettings:
                 "master_server_address: missing; set it in the JSON file named by "
                 f"{_ENV_CONFIG_PATH}, in the inline settings, or with MOONCAKE_MASTER"
             )
-        return cls(**{key: _coerce(key, value) for key, value in values.items()})
+        settings = cls(**{key: _coerce(key, value) for key, value in values.items()})
+        if mode is not None:
+            _check_mode(mode, settings.global_segment_size, f"{_ENV_CONFIG_PATH} file {path}")
+        return settings
 
     def resolved_hostname(self) -> str:
         """``local_hostname``, or the local address that routes to the master."""
@@ -150,11 +196,50 @@ def _read_json(path: str) -> Mapping[str, Any]:
     return data
 
 
-def _check_keys(values: Mapping[str, Any], where: str) -> Mapping[str, Any]:
-    unknown = sorted(set(values) - set(_FIELDS))
+def _read_file(path: str) -> tuple[dict[str, Any], str | None]:
+    """A settings file's keys that are fields, and its ``mode``; logs the keys it ignores."""
+    where = f"{_ENV_CONFIG_PATH} file {path}"
+    data = _check_keys(_read_json(path), where, also_accepted=["mode", *_IGNORED_FILE_KEYS])
+    mode = data.get("mode")
+    if mode is not None and mode not in MODES:
+        raise ConfigError(f"mode: expected one of {', '.join(MODES)}, got {mode!r} in {where}")
+    ignored = tuple(sorted(set(data) & set(_IGNORED_FILE_KEYS)))
+    if ignored:
+        _log_ignored(where, ignored)
+    return {key: value for key, value in data.items() if key in _FIELDS}, mode
+
+
+@functools.cache  # once per process and file: the scheduler and a worker may share one
+def _log_ignored(where: str, keys: tuple[str, ...]) -> None:
+    by_reason: dict[str, list[str]] = {}
+    for key in keys:
+        by_reason.setdefault(_IGNORED_FILE_KEYS[key], []).append(key)
+    reasons = "; ".join(f"{', '.join(names)} ({why})" for why, names in by_reason.items())
+    logger.warning("%s: ignoring keys that mean nothing to vllm_aio: %s", where, reasons)
+
+
+def _check_mode(mode: str, global_segment_size: int, where: str) -> None:
+    """vLLM's rule, which refuses the same files: embedded contributes memory, standalone-store none."""
+    if mode == "standalone-store" and global_segment_size:
+        raise ConfigError(
+            f'mode, global_segment_size: mode "standalone-store" in {where} contributes no memory, but '
+            f'global_segment_size is {global_segment_size} bytes; set it to 0, or use mode "embedded"'
+        )
+    if mode == "embedded" and not global_segment_size:
+        raise ConfigError(
+            f'mode, global_segment_size: mode "embedded" in {where} contributes global_segment_size bytes, '
+            'but it is 0 or missing; give a size such as "4GB", or use mode "standalone-store"'
+        )
+
+
+def _check_keys(
+    values: Mapping[str, Any], where: str, also_accepted: Sequence[str] = ()
+) -> Mapping[str, Any]:
+    accepted = set(_FIELDS) | set(also_accepted)
+    unknown = sorted(set(values) - accepted)
     if unknown:
         raise ConfigError(
-            f"unknown key(s) {', '.join(unknown)} in {where}; accepted keys: {', '.join(sorted(_FIELDS))}"
+            f"unknown key(s) {', '.join(unknown)} in {where}; accepted keys: {', '.join(sorted(accepted))}"
         )
     return values
 
@@ -162,9 +247,20 @@ def _check_keys(values: Mapping[str, Any], where: str) -> Mapping[str, Any]:
 def _coerce(key: str, value: Any) -> Any:
     if key in _SIZE_FIELDS:
         return _parse_size(key, value, allow_zero=_SIZE_FIELDS[key])
+    if key == "tenant_id":
+        return _tenant_id(value)
     if not isinstance(value, str):
         raise ConfigError(f"{key}: expected a string, got {value!r}")
     return value
+
+
+def _tenant_id(value: Any) -> str:
+    """vLLM's rule: null or blank is the default tenant, surrounding blanks are dropped."""
+    if value is None:
+        return DEFAULT_TENANT_ID
+    if not isinstance(value, str) or not value.isprintable():
+        raise ConfigError(f"tenant_id: expected a string of printable characters or null, got {value!r}")
+    return value.strip() or DEFAULT_TENANT_ID
 
 
 def _parse_size(key: str, value: Any, allow_zero: bool) -> int:
@@ -354,15 +450,17 @@ class MooncakeBackend(Backend):
                 f"(no TCP connection within {connect_timeout:.1f} s); start it or fix master_server_address"
             )
         store = store_factory()
+        # Like vLLM, name the tenant only when there is one.
+        tenant = {} if s.tenant_id == DEFAULT_TENANT_ID else {"tenant_id": s.tenant_id}
         with _env_default(_ENV_SETUP_RETRIES, _SETUP_RETRIES):
             rc = store.setup(
                 s.resolved_hostname(), s.metadata_server, s.global_segment_size,
-                s.local_buffer_size, s.protocol, s.device_name, s.master_server_address,
+                s.local_buffer_size, s.protocol, s.device_name, s.master_server_address, **tenant,
             )
         if rc != 0:
             raise MooncakeUnavailableError(
                 f"Mooncake setup against master {s.master_server_address} failed with code {rc} "
-                f"(protocol {s.protocol!r}, metadata_server {s.metadata_server!r})"
+                f"(protocol {s.protocol!r}, metadata_server {s.metadata_server!r}, tenant_id {s.tenant_id!r})"
             )
         return store
 
@@ -387,12 +485,14 @@ class MooncakeBackend(Backend):
             self._registered.append((address, size))
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        keys = list(keys)
+        keys = self._scoped(keys)
         codes = self._call(len(keys), lambda idx: self._store.batch_is_exist([keys[i] for i in idx]))
         return [c == 1 for c in codes]
 
     def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
-        _check_lengths(keys, segments)
+        return distinct_only(self._put_distinct, self._scoped(keys), segments)
+
+    def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
         path = self._path(segments)
         if path == "multi":
             codes = self._call(len(keys), lambda idx: self._put_multi(keys, segments, idx))
@@ -403,7 +503,9 @@ class MooncakeBackend(Backend):
         return [put_status(c) for c in codes]
 
     def batch_get(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
-        _check_lengths(keys, segments)
+        return distinct_only(self._get_distinct, self._scoped(keys), segments)
+
+    def _get_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
         path = self._path(segments)
         if path == "multi":
             codes = self._call(len(keys), lambda idx: self._get_multi(keys, segments, idx))
@@ -417,6 +519,13 @@ class MooncakeBackend(Backend):
             self._diagnose(keys[i], expected[i]) if c in _AMBIGUOUS_GET_CODES else s
             for i, (c, s) in enumerate(zip(codes, statuses))
         ]
+
+    def _scoped(self, keys: Sequence[str]) -> list[str]:
+        """Keys in the tenant's own key space: tenants stay apart on any master,
+        including one without --enable_multi_tenants, which shares keys between them."""
+        if self.settings.tenant_id == DEFAULT_TENANT_ID:
+            return list(keys)
+        return [f"{self.settings.tenant_id}/{k}" for k in keys]
 
     def close(self) -> None:
         """Wait for calls in flight (up to 30 s), then free the client (~1 s)."""
@@ -569,8 +678,3 @@ def _columns(segments: Sequence[Sequence[Segment]], idx: list[int]) -> tuple[lis
     ptrs = [[a for a, _ in segments[i]] for i in idx]
     sizes = [[n for _, n in segments[i]] for i in idx]
     return ptrs, sizes
-
-
-def _check_lengths(keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> None:
-    if len(keys) != len(segments):
-        raise ValueError(f"{len(keys)} keys but {len(segments)} segment lists")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -128,59 +128,95 @@ class BlockIO:
     # ---- loads -------------------------------------------------------------
     def load(self, blocks: Sequence[BlockRef], unit: Unit) -> tuple[list[Status], torch.Event | None]:
         """Pool -> KV cache. Returns a status per block and the event after
-        which the cache holds the accepted ones (None: it does already)."""
+        which the cache holds the accepted ones (None: it does already).
+
+        Blocks of one batch may share a key (requests with a common prefix
+        loaded in one step, each into blocks of its own): each key is read
+        from the pool once and its value copied to every block naming it.
+        """
+        batch = _Distinct(blocks)
         statuses: list[Status] = []
         event = None
         value = HEADER_BYTES if self.device.is_host else self.value_bytes(unit)
-        for start, end in _chunks(len(blocks), self.value_bytes(unit)):
+        for start, end in _chunks(len(batch.firsts), self.value_bytes(unit)):
             piece = self._loads.allocate((end - start) * value, self._timeout)
             if piece is None:  # no staging within the timeout
                 statuses += [Status.ERROR] * (end - start)
                 continue
-            chunk = blocks[start:end]
+            chunk = batch.firsts[start:end]
+            targets = batch.targets[start:end]
             try:
                 if self.device.is_host:
-                    statuses += self._load_into_host_cache(chunk, unit, piece)
+                    statuses += self._load_into_host_cache(chunk, targets, unit, piece)
                     continue
-                got, event = self._load_through_staging(chunk, unit, piece, event)
+                got, event = self._load_through_staging(chunk, targets, unit, piece, event)
                 statuses += got
             finally:
                 self._loads.release(piece, after=None if self.device.is_host else event)
-        return statuses, event
+        return batch.spread(statuses), event
 
-    def _load_into_host_cache(self, blocks: Sequence[BlockRef], unit: Unit, piece: Slice) -> list[Status]:
+    def _load_into_host_cache(
+        self, blocks: Sequence[BlockRef], targets: Sequence[list[int]], unit: Unit, piece: Slice
+    ) -> list[Status]:
         segments = [
             [(piece.address + i * HEADER_BYTES, HEADER_BYTES)] + self._layout.segments(b.block_id, unit.layers)
             for i, b in enumerate(blocks)
         ]
         statuses = self._backend.batch_get(self.keys(blocks, unit), segments)
-        return _check_headers(piece.tensor.view(len(blocks), HEADER_BYTES), self._headers(blocks, unit), statuses)
+        statuses = _check_headers(piece.tensor.view(len(blocks), HEADER_BYTES), self._headers(blocks, unit), statuses)
+        # Blocks sharing a key get the bytes of the one the pool wrote into.
+        copies = [(b.block_id, dst) for b, t, s in zip(blocks, targets, statuses) if s is Status.OK for dst in t[1:]]
+        if copies:
+            src, dst = zip(*copies)
+            self._layout.copy_blocks(torch.tensor(src), torch.tensor(dst), unit.layers)
+        return statuses
 
     def _load_through_staging(
-        self, blocks: Sequence[BlockRef], unit: Unit, piece: Slice, event: torch.Event | None
+        self,
+        blocks: Sequence[BlockRef],
+        targets: Sequence[list[int]],
+        unit: Unit,
+        piece: Slice,
+        event: torch.Event | None,
     ) -> tuple[list[Status], torch.Event | None]:
         n, value = len(blocks), self.value_bytes(unit)
         rows = piece.tensor.view(n, value)
         segments = [[(piece.address + i * value, value)] for i in range(n)]
         statuses = self._backend.batch_get(self.keys(blocks, unit), segments)
         statuses = _check_headers(rows[:, :HEADER_BYTES], self._headers(blocks, unit), statuses)
-        accepted = [i for i, s in enumerate(statuses) if s is Status.OK]
-        if not accepted:
+        # One row per destination block: a value shared by several blocks is
+        # repeated on the device, not read from the pool again.
+        picks = [(i, dst) for i, s in enumerate(statuses) if s is Status.OK for dst in targets[i]]
+        if not picks:
             return statuses, event
+        row_of, ids = zip(*picks)
         with self.device.on(self._stream):
             scratch = self.device.empty(rows.numel()).view(n, value)
             scratch.copy_(rows, non_blocking=True)
-            if len(accepted) < n:
-                scratch = scratch.index_select(0, self._on_device(accepted))
-            ids = self._on_device([blocks[i].block_id for i in accepted])
-            self._layout.scatter(scratch[:, HEADER_BYTES:], ids, unit.layers)
+            if list(row_of) != list(range(n)):
+                scratch = scratch.index_select(0, self._on_device(list(row_of)))
+            self._layout.scatter(scratch[:, HEADER_BYTES:], self._on_device(list(ids)), unit.layers)
             return statuses, self.device.record(self._stream)
 
     # ---- saves -------------------------------------------------------------
     def save(
         self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, handoff: CopyHandoff
     ) -> list[Status]:
-        """KV cache -> staging (then ``handoff``) -> pool.
+        """KV cache -> staging (then ``handoff``) -> pool, one value per key.
+
+        Blocks sharing a key with an earlier block of the batch hold the same
+        KV (same chained hash): only the first is put; the others report
+        ``EXISTS`` once it is stored (concurrent puts of one key can leave
+        Mooncake with a key and no value).
+        """
+        batch = _Distinct(blocks)
+        statuses = self._save_distinct(batch.firsts, unit, computed, handoff)
+        return batch.spread(statuses, repeat=lambda s: Status.EXISTS if s.stored else s)
+
+    def _save_distinct(
+        self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, handoff: CopyHandoff
+    ) -> list[Status]:
+        """``save`` of blocks with distinct keys.
 
         ``computed``: an event after the forward wrote these blocks (None on CPU,
         where the hooks run after the writes in program order). Chunks copied
@@ -261,6 +297,37 @@ class _Copied:
     piece: Slice
     gathered: torch.Event | None  # after this the cache blocks may be reused
     in_staging: torch.Event | None  # after this the staging rows hold the values
+
+
+class _Distinct:
+    """A batch's blocks reduced to one per block hash, i.e. per pool key.
+
+    ``firsts``: the first block of each distinct hash, in batch order;
+    ``targets``: per distinct hash, the block ids of every block naming it
+    (its first block's id first).
+    """
+
+    def __init__(self, blocks: Sequence[BlockRef]) -> None:
+        index: dict[bytes, int] = {}
+        self.firsts: list[BlockRef] = []
+        self.targets: list[list[int]] = []
+        self._which: list[int] = []  # per block: its distinct hash's position
+        for b in blocks:
+            j = index.setdefault(b.block_hash, len(self.firsts))
+            if j == len(self.firsts):
+                self.firsts.append(b)
+                self.targets.append([])
+            self.targets[j].append(b.block_id)
+            self._which.append(j)
+
+    def spread(self, statuses: list[Status], repeat: Callable[[Status], Status] = lambda s: s) -> list[Status]:
+        """Per block, the status of its hash; ``repeat`` maps it for blocks after the first."""
+        seen: set[int] = set()
+        out = []
+        for j in self._which:
+            out.append(statuses[j] if j not in seen else repeat(statuses[j]))
+            seen.add(j)
+        return out
 
 
 def _chunks(n: int, value_bytes: int) -> list[tuple[int, int]]:

@@ -86,6 +86,12 @@ class BlockLayout:
                 p.blocks.index_copy_(0, block_ids, src[:, offset : offset + p.size])
                 offset += p.size
 
+    def copy_blocks(self, src_ids: torch.Tensor, dst_ids: torch.Tensor, layers: Sequence[int]) -> None:
+        """Copy blocks ``src_ids[i]`` -> ``dst_ids[i]`` within the cache, for ``layers``."""
+        for i in layers:
+            for p in self.planes[i]:
+                p.blocks.index_copy_(0, dst_ids, p.blocks.index_select(0, src_ids))
+
     # ---- host fast paths ---------------------------------------------------
     def plane_rows(self, layer: int, flat: torch.Tensor, n: int) -> list[torch.Tensor]:
         """``flat`` (uint8, ``n * layer_bytes``, any device) as each plane's ``[n, size]`` rows, back to back.

@@ -21,10 +21,12 @@ class BlockTransfer:
 
 @dataclass
 class LookupCounts:
-    """Pool lookups of requests admitted since the previous step."""
+    """Pool lookups of requests admitted since the previous step, and promised hits that failed."""
 
     hit_tokens: int = 0
     miss_tokens: int = 0
+    # Hit tokens of earlier steps whose load failed (vLLM recomputed them).
+    failed_hit_tokens: int = 0
 
 
 @dataclass

@@ -40,6 +40,15 @@ class _LoadPlan:
 
 
 @dataclass
+class _Claim:
+    """Pool blocks a request was promised: loaded into ``block_ids`` for tokens [start, end)."""
+
+    block_ids: list[int]
+    start_tokens: int  # block aligned: the first loaded block's first token
+    end_tokens: int
+
+
+@dataclass
 class _Tracker:
     """A running request: its block ids and how many of its blocks were handed to saves."""
 
@@ -67,6 +76,9 @@ class AioScheduler:
         # Loads decided by update_state_after_alloc, sent with the next metadata.
         self._pending_loads: list[BlockTransfer] = []
         self._trackers: dict[str, _Tracker] = {}
+        # req_id -> its latest pool load, until the request finishes, is
+        # preempted, or its load is reported failed (update_connector_output).
+        self._claims: dict[str, _Claim] = {}
         self._lookups = LookupCounts()
 
     # ---- lookup ----------------------------------------------------------
@@ -120,6 +132,7 @@ class AioScheduler:
             BlockTransfer(req_id, list(block_ids[first:last]), list(request.block_hashes[first:last]), first)
         )
         tracker.loaded = (first, last)
+        self._claims[req_id] = _Claim(list(block_ids[first:last]), first * bs, plan.local_tokens + num_external_tokens)
         self._lookups.hit_tokens += num_external_tokens
         self._lookups.miss_tokens += prompt_tokens - plan.local_tokens - num_external_tokens
 
@@ -127,6 +140,10 @@ class AioScheduler:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> AioConnectorMetadata:
         for req_id in scheduler_output.finished_req_ids:
             self._trackers.pop(req_id, None)
+            self._claims.pop(req_id, None)
+        loading = {t.req_id for t in self._pending_loads}
+        for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids - loading:
+            self._claims.pop(req_id, None)  # preempted since: its old blocks may be another's now
         meta = AioConnectorMetadata(loads=self._pending_loads, lookups=self._lookups)
         self._pending_loads, self._lookups = [], LookupCounts()
         scheduled: list[tuple[_Tracker, int]] = []  # with their computed tokens
@@ -210,9 +227,26 @@ class AioScheduler:
                 )
         tracker.num_saved_blocks = full
 
+    def update_connector_output(self, invalid_block_ids: set[int]) -> None:
+        """Count the hit tokens that the pool promised and the workers could not load.
+
+        ``invalid_block_ids`` is the union over every worker: each failed
+        request is counted once, from its first failed block on, which is
+        what vLLM recomputes.
+        """
+        if not invalid_block_ids:
+            return
+        bs = self._dep.block_size
+        for req_id, claim in list(self._claims.items()):
+            bad = [i for i, b in enumerate(claim.block_ids) if b in invalid_block_ids]
+            if bad:
+                self._lookups.failed_hit_tokens += claim.end_tokens - claim.start_tokens - bad[0] * bs
+                del self._claims[req_id]
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, None]:
         # Saves finished within the step that computed the blocks.
         self._trackers.pop(request.request_id, None)
+        self._claims.pop(request.request_id, None)
         return False, None
 
     def close(self) -> None:

@@ -4,7 +4,9 @@ Workers record transfers; vLLM sums the dicts over workers and steps
 (``aggregate``), prints ``reduce()`` in its periodic "KV Transfer metrics" log
 line and feeds the same dict to ``AioPromMetrics.observe`` for ``/metrics``.
 Lookup counts come from the scheduler through the step metadata and are
-recorded by rank 0 only, so TP does not multiply them.
+recorded by rank 0 only, so TP does not multiply them. ``failed_hit_tokens``
+are tokens the scheduler counted as hits whose load then failed on some rank
+(vLLM recomputed them): the gap between what the pool promised and delivered.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 COUNTERS = (
     "hit_tokens",
     "miss_tokens",
+    "failed_hit_tokens",  # counted as hits at lookup, then not loaded: recomputed
     "load_blocks",
     "load_bytes",
     "load_seconds",
@@ -60,6 +63,7 @@ class AioConnectorStats(KVConnectorStats):
         return {
             "pool_hit_rate": round(d["hit_tokens"] / looked_up, 3) if looked_up else 0.0,
             "hit_tokens": d["hit_tokens"],
+            "failed_hit_tokens": d["failed_hit_tokens"],
             "loaded_MB": round(d["load_bytes"] / 2**20, 2),
             "load_GBps": _rate(d["load_bytes"], d["load_seconds"]),
             "saved_MB": round(d["save_bytes"] / 2**20, 2),

@@ -159,7 +159,12 @@ class AioWorker:
             self._recv.drain()
             self._stalled = False
         if self._reports_lookups:
-            self._add_stats(hit_tokens=meta.lookups.hit_tokens, miss_tokens=meta.lookups.miss_tokens)
+            lookups = meta.lookups
+            self._add_stats(
+                hit_tokens=lookups.hit_tokens,
+                miss_tokens=lookups.miss_tokens,
+                failed_hit_tokens=lookups.failed_hit_tokens,
+            )
         self._layer_loads.clear()
         self._retrieve = None
         if not meta.loads:

@@ -1,0 +1,97 @@
+"""Requests that share a prefix, arriving together, loaded in the same step.
+
+How deployments send traffic (a system prompt, a few-shot header, a multi-turn
+history): several requests name the same pool blocks in one step, each to be
+loaded into KV cache blocks of its own, and in a cold step each computes and
+saves the same prefix. A store read with one key twice in a batch can answer
+success for both and fill one destination (Mooncake does); these tests show
+every request gets every shared block, and that each key is saved once.
+
+Determinism: the engine core runs in the test's engine process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so every prompt is queued before the
+first step and the four requests share each step in every run; a core in a
+process of its own starts stepping while requests still arrive, and the batch
+it forms varies from run to run (and with it float rounding). The prompts come
+from a seed whose greedy continuation does not sit on a near tie: a warm step
+computes only the prompts' tails, with the first request's copy of the shared
+prefix, and logprobs then differ from the baseline by up to ~0.033
+(``LOGPROB_TOLERANCE`` is 0.05).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import TP2, Engine, aio_config, assert_same_generation
+from test_e2e_pool import TRANSFER_MODES
+
+pytest_plugins = ["mooncake_fixtures"]
+
+BLOCK = 32
+PREFIX_TOKENS = 900  # 28 whole blocks shared by every prompt
+TAILS = (100, 200, 300, 400)
+# Four requests in one step; the engine core in the engine's process (see above).
+TOGETHER = {"max_num_seqs": 4, "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+TOGETHER_TP2 = {**TOGETHER, **TP2, "env": {**TP2["env"], **TOGETHER["env"]}}
+
+
+def shared_prefix_prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 2048) for _ in range(PREFIX_TOKENS)]
+    return [prefix + [rng.randrange(3, 2048) for _ in range(n)] for n in TAILS]
+
+
+PROMPTS = shared_prefix_prompts(16)
+SHARED_BLOCKS = PREFIX_TOKENS // BLOCK
+
+
+@pytest.fixture(scope="module")
+def together_baseline(tiny_model, tmp_path_factory) -> list[dict]:
+    """No connector, the same four prompts in one batch."""
+    (result,) = Engine(tiny_model, tmp_path_factory.mktemp("shared-baseline")).run([PROMPTS], **TOGETHER)
+    assert all(len(set(r["token_ids"])) >= len(r["token_ids"]) // 2 for r in result), "output does not vary"
+    return result
+
+
+def assert_every_shared_block_served(engine: Engine, cold: list[dict], warm: list[dict], baseline: list[dict]) -> None:
+    counters = engine.last_counters
+    assert counters["load_failures"] == 0, counters
+    assert counters["failed_hit_tokens"] == 0, counters
+    # The cold step computed the prefix four times and stored it once.
+    assert counters["save_skipped"] == 3 * SHARED_BLOCKS, counters
+    assert all(r["cached"] == 0 for r in cold)
+    assert all(r["cached"] >= 0.8 * r["prompt_len"] for r in warm), [r["cached"] for r in warm]
+    assert_same_generation(cold, baseline)
+    assert_same_generation(warm, baseline)
+
+
+@pytest.mark.parametrize("mode", TRANSFER_MODES)
+def test_requests_sharing_a_prefix_in_one_step_all_load_it_from_the_embedded_pool(engine, together_baseline, mode):
+    config = aio_config(local_pool_size="256MB", **TRANSFER_MODES[mode])
+    cold, warm = engine.run([PROMPTS, PROMPTS], config, **TOGETHER)
+    assert_every_shared_block_served(engine, cold, warm, together_baseline)
+
+
+def mooncake(pool, **extra) -> dict:
+    return aio_config(backend="mooncake", **pool.config, **extra)
+
+
+@pytest.mark.parametrize("mode", ["whole_blocks", "layerwise"])
+def test_requests_sharing_a_prefix_in_one_step_all_load_it_from_mooncake(
+    engine, together_baseline, mooncake_pool_factory, mode
+):
+    pool = mooncake_pool_factory("512MB")
+    cold, warm = engine.run([PROMPTS, PROMPTS], mooncake(pool, **TRANSFER_MODES[mode]), **TOGETHER)
+    assert_every_shared_block_served(engine, cold, warm, together_baseline)
+
+
+def test_ranks_sharing_one_kv_head_load_a_shared_prefix_for_every_request_from_mooncake(
+    tiny_1kv_model, tmp_path, mooncake_pool_factory
+):
+    (baseline,) = Engine(tiny_1kv_model, tmp_path).run([PROMPTS], **TOGETHER_TP2)
+    pool = mooncake_pool_factory("512MB")
+    engine = Engine(tiny_1kv_model, tmp_path)
+    cold, warm = engine.run([PROMPTS, PROMPTS], mooncake(pool), **TOGETHER_TP2)
+    assert_every_shared_block_served(engine, cold, warm, baseline)
