@@ -17,7 +17,7 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo )
 # Under CI: no colour, and a summary of every non-passing test at the end.
 PYTEST_ARGS ?= -v -p no:cacheprovider $(if $(CI),--color=no -ra,)
 
-.PHONY: venv install syspkgs model demo test
+.PHONY: venv install syspkgs model demo test test-gpu
 
 venv: $(VPY)
 
@@ -58,3 +58,12 @@ demo: install model
 
 test: install model
 	$(VPY) -m pytest tests $(PYTEST_ARGS)
+
+# On a machine with an accelerator and torch (no vLLM needed, nothing installed):
+# every test with an accelerator case, then the GPU benchmarks' quick runs.
+GPU_TESTS := tests/test_device.py tests/test_staging.py tests/test_block_layout.py tests/test_block_io.py tests/test_layer_buffer.py
+test-gpu:
+	$(PYTHON) -m pytest $(GPU_TESTS) -p no:cacheprovider -q -ra
+	$(PYTHON) benchmarks/block_io_device.py --quick
+	$(PYTHON) benchmarks/layer_pipeline.py --quick
+	$(PYTHON) benchmarks/dynamic_buffer.py --quick

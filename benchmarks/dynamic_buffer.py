@@ -126,7 +126,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_aio.connector.layer_buffer import BufferStep, LayerBuffer  # noqa: E402
+from vllm_aio.connector.layer_buffer import LayerBuffer
+from vllm_aio.connector.metadata import BufferStep  # noqa: E402
 from _accel import Accel, copy_bandwidth, timed  # noqa: E402  (benchmarks/ is on sys.path)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "dynamic_buffer.json"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import mmap
 
@@ -99,12 +100,14 @@ def _host_allocator_bytes() -> int | None:
 
 
 def registered(t: torch.Tensor) -> bool:
-    """Whether ``t``'s first page is registered with the driver (torch's is_pinned knows only its own allocator)."""
+    """Whether ``t``'s memory is registered with the driver (torch's is_pinned knows only its own allocator).
+
+    Asked through the driver API: a failing runtime call (a cudaHostRegister
+    probe of registered memory) would leave an error that the next kernel
+    launch raises.
+    """
     if not torch.cuda.is_available():
         return False
-    page = t.data_ptr() - t.data_ptr() % mmap.PAGESIZE
-    cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(page, mmap.PAGESIZE, 0)) == 0:
-        cudart.cudaHostUnregister(page)
-        return False
-    return True  # cudaErrorHostMemoryAlreadyRegistered
+    torch.cuda.init()  # the primary context, current on this thread
+    flags = ctypes.c_uint()
+    return ctypes.CDLL("libcuda.so.1").cuMemHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(t.data_ptr())) == 0

@@ -16,7 +16,8 @@ from test_device import registered
 
 from vllm_aio.connector import block_layout
 from vllm_aio.connector.block_layout import BlockLayout
-from vllm_aio.connector.layer_buffer import BufferStep, LayerBuffer, _even_chunks, _runs
+from vllm_aio.connector.layer_buffer import LayerBuffer, _even_chunks, _runs
+from vllm_aio.connector.metadata import BufferStep
 
 NUM_BLOCKS, PAGE = 24, (2, 16, 32)  # [blocks, K/V, tokens, channels]
 PAGE_BYTES = 2 * 16 * 32 * 2  # bf16

@@ -8,15 +8,16 @@ looks up exactly the keys the workers store.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from vllm.config import VllmConfig
-from vllm.platforms import current_platform
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from typing import TYPE_CHECKING
 
 from vllm_aio.config import AioConfig, ConfigError
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Namespace, Unit
 from vllm_aio.pool.ownership import Topology
+
+if TYPE_CHECKING:  # the scheduler half imports this module, and no torch (vLLM imports it)
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 # vLLM's xxhash variants seed each process randomly: a key stored by one
 # process would never be found by another.
@@ -55,7 +56,7 @@ class Deployment:
 
 
 def build_deployment(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: AioConfig
+    vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: AioConfig
 ) -> Deployment:
     cache = vllm_config.cache_config
     if cache.prefix_caching_hash_algo not in _PORTABLE_HASHES:
@@ -107,7 +108,7 @@ def build_deployment(
     )
 
 
-def _block_size(kv_cache_config: KVCacheConfig, spec, dcp_size: int) -> int:
+def _block_size(kv_cache_config: "KVCacheConfig", spec, dcp_size: int) -> int:
     """Tokens per block of ``request.block_hashes`` and of the scheduler's block ids.
 
     vLLM 0.32 hashes at ``hash_block_size`` and its KV cache manager hands out
@@ -124,8 +125,10 @@ def _block_size(kv_cache_config: KVCacheConfig, spec, dcp_size: int) -> int:
     return block_id_tokens
 
 
-def _attention_isa(vllm_config: VllmConfig, spec) -> str:
+def _attention_isa(vllm_config: "VllmConfig", spec) -> str:
     """The CPU attention kernel's packing of a block; "-" off the CPU."""
+    from vllm.platforms import current_platform
+
     if not current_platform.is_cpu():
         return "-"
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa

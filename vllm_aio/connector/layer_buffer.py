@@ -69,6 +69,7 @@ import numpy as np
 import torch
 
 from vllm_aio.connector.block_layout import BlockLayout
+from vllm_aio.connector.metadata import BufferStep
 from vllm_aio.connector.staging import Slice, StagingBuffer, even_ranges
 from vllm_aio.device import Device, HostMemory
 
@@ -78,16 +79,6 @@ from vllm_aio.device import Device, HostMemory
 DIRECT_COPY_BYTES = 1 << 20
 # Each layer's region of the host copy starts on a page.
 _HOST_ALIGN = 4096
-
-
-@dataclass
-class BufferStep:
-    """What one step needs from the buffer (sent by the scheduler half)."""
-
-    resident: list[int] = field(default_factory=list)  # blocks holding K/V from before the step (loaded)
-    written: list[int] = field(default_factory=list)  # blocks the step writes new K/V into (written back)
-    zeroed: list[int] = field(default_factory=list)  # new blocks vLLM zeroes before the step
-    copies: list[tuple[int, int]] = field(default_factory=list)  # vLLM's copy-on-write (src, dst)
 
 
 @dataclass(frozen=True)

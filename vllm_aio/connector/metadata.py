@@ -1,12 +1,14 @@
-"""What the scheduler half tells the worker half each step (pickled across processes)."""
+"""What the scheduler half tells the worker half each step (pickled across processes).
+
+Plain dataclasses, importing neither vLLM nor torch: the scheduler half builds
+them in vLLM's engine-core process and every worker reads them. vLLM passes
+the step's metadata through without looking inside (its ``KVConnectorMetadata``
+is an empty marker class).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
-from vllm_aio.connector.layer_buffer import BufferStep
 
 
 @dataclass
@@ -30,7 +32,17 @@ class LookupCounts:
 
 
 @dataclass
-class AioConnectorMetadata(KVConnectorMetadata):
+class BufferStep:
+    """What one step needs from the dynamic buffer (``layer_buffer.py``)."""
+
+    resident: list[int] = field(default_factory=list)  # blocks holding K/V from before the step (loaded)
+    written: list[int] = field(default_factory=list)  # blocks the step writes new K/V into (written back)
+    zeroed: list[int] = field(default_factory=list)  # new blocks vLLM zeroes before the step
+    copies: list[tuple[int, int]] = field(default_factory=list)  # vLLM's copy-on-write (src, dst)
+
+
+@dataclass
+class AioConnectorMetadata:
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     lookups: LookupCounts = field(default_factory=LookupCounts)

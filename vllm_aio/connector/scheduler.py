@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING
 
 from vllm_aio.backends import Backend
 from vllm_aio.connector.deployment import Deployment
-from vllm_aio.connector.layer_buffer import BufferStep
-from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, LookupCounts
+from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, BufferStep, LookupCounts
 from vllm_aio.log import get_logger
 from vllm_aio.pool.keys import block_key
 from vllm_aio.pool.ownership import Ownership

@@ -1,0 +1,39 @@
+"""The scheduler half stays on its side of the process boundary.
+
+It runs in vLLM's engine-core process and never touches KV bytes: scheduler,
+metadata, deployment facts, keys, ownership, entry headers, configuration and
+the backend contract import neither torch nor numpy (nor vLLM, which imports
+torch). Checked in a fresh interpreter where importing them fails.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import ROOT
+
+SCHEDULER_HALF = (
+    "vllm_aio.config",
+    "vllm_aio.pool.keys",
+    "vllm_aio.pool.ownership",
+    "vllm_aio.pool.entry",
+    "vllm_aio.backends",
+    "vllm_aio.connector.metadata",
+    "vllm_aio.connector.deployment",
+    "vllm_aio.connector.scheduler",
+)
+
+
+def test_scheduler_half_imports_neither_torch_nor_numpy_nor_vllm():
+    blocked = "import sys\nfor name in ('torch', 'numpy', 'vllm'):\n    sys.modules[name] = None\n"
+    imports = "".join(f"import {module}\n" for module in SCHEDULER_HALF)
+    proc = subprocess.run([sys.executable, "-c", blocked + imports], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_worker_side_module_is_caught_importing_torch():
+    # The check itself can fail: the block layout needs torch.
+    blocked = "import sys\nsys.modules['torch'] = None\nimport vllm_aio.connector.block_layout\n"
+    proc = subprocess.run([sys.executable, "-c", blocked], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0 and "torch" in proc.stderr
