@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -286,6 +286,32 @@ class BlockIO:
 
     def _on_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self._layout.device, non_blocking=True)
+
+
+def open_block_io(
+    kv_caches: Mapping[str, torch.Tensor],
+    layer_names: Sequence[str],
+    num_blocks: int,
+    backend: Backend,
+    header: EntryHeader,
+    staging_bytes: int,
+    timeout: float,
+) -> BlockIO:
+    """A ``BlockIO`` over these cache tensors, wired as every user needs it.
+
+    One staging buffer per direction (page-locked on accelerators), and the
+    memory the backend will copy between registered with it once: the
+    staging buffers, and on the CPU the KV cache itself, which the backend
+    reads and writes in place. The worker, the tests and the benchmarks all
+    build their ``BlockIO`` here.
+    """
+    layout = BlockLayout(kv_caches, layer_names, num_blocks)
+    device = Device(layout.device)
+    loads, saves = StagingBuffer(device, staging_bytes), StagingBuffer(device, staging_bytes)
+    spans = layout.memory_spans() if device.is_host else []
+    for address, size in spans + [(s.address, s.capacity) for s in (loads, saves)]:
+        backend.register_memory(address, size)
+    return BlockIO(layout, backend, header, loads, saves, timeout)
 
 
 @dataclass

@@ -38,15 +38,12 @@ import torch
 
 from vllm_aio.backends import Backend, Status
 from vllm_aio.config import AioConfig
-from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff
-from vllm_aio.connector.block_layout import BlockLayout
+from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff, open_block_io
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.layer_buffer import LayerBuffer
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer
-from vllm_aio.connector.staging import StagingBuffer
 from vllm_aio.connector.stats import AioConnectorStats
 from vllm_aio.connector.transfer import TransferThread
-from vllm_aio.device import Device
 from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import EntryHeader
 from vllm_aio.pool.keys import Unit
@@ -116,27 +113,16 @@ class AioWorker:
                 self._buffer.host_bytes / 2**30,
                 "" if self._buffer.device.is_host else " (page-locked)",
             )
-        layout = BlockLayout(kv_caches, self._dep.layer_names, num_blocks)
-        device = Device(layout.device)
-        load_staging = StagingBuffer(device, self._cfg.staging_buffer_size)
-        save_staging = StagingBuffer(device, self._cfg.staging_buffer_size)
-        self._io = BlockIO(
-            layout,
-            self._backend,
-            EntryHeader(self._dep.namespace.digest(), self._owner.shard_id, -1, self._dep.block_size, 0),
-            load_staging,
-            save_staging,
-            self._cfg.transfer_timeout,
+        header = EntryHeader(self._dep.namespace.digest(), self._owner.shard_id, -1, self._dep.block_size, 0)
+        self._io = open_block_io(
+            kv_caches, self._dep.layer_names, num_blocks, self._backend, header,
+            self._cfg.staging_buffer_size, self._cfg.transfer_timeout,
         )
         if self._io.value_bytes(self._units[0]) != self._dep.value_bytes:
             raise ValueError(
                 f"KV cache blocks make values of {self._io.value_bytes(self._units[0])} bytes but the KV "
                 f"cache config promises {self._dep.value_bytes}; padded or mixed layouts are not supported"
             )
-        # Backends that copy with the CPU read the host KV cache in place.
-        spans = layout.memory_spans() if device.is_host else []
-        for address, size in spans + [(s.address, s.capacity) for s in (load_staging, save_staging)]:
-            self._backend.register_memory(address, size)
 
     # ---- loads -------------------------------------------------------------
     def begin_step(self, meta: AioConnectorMetadata) -> None:
