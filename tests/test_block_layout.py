@@ -13,7 +13,7 @@ NUM_BLOCKS = 6
 
 
 def every(layout: BlockLayout) -> range:
-    return range(layout.num_layers)
+    return range(len(layout.planes))
 
 
 def block_major(num_blocks: int = NUM_BLOCKS, dtype=torch.bfloat16) -> torch.Tensor:

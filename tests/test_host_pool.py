@@ -14,7 +14,6 @@ import os
 import signal
 import time
 import uuid
-from pathlib import Path
 
 import fcntl
 import pytest

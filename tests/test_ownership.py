@@ -2,7 +2,7 @@
 
 Every rank of a deployment is simulated in pure Python: each stores the blocks
 its ``Ownership`` assigns it, and a lookup asks for every shard of
-``hit_shard_ids``. A layout is in the grid when vLLM 0.32 itself accepts it
+``all_shard_ids``. A layout is in the grid when vLLM 0.32 itself accepts it
 (``_vllm_accepts``); the others are skipped by the property tests, since no
 engine could start with them, and must be refused by ``Topology``.
 
@@ -116,7 +116,7 @@ def _stored_keys(ranks: tuple[Ownership, ...], hashes: list[bytes]) -> Counter[s
 
 
 def _lookup_keys(own: Ownership, block_hash: bytes) -> list[str]:
-    return [block_key(DIGEST, shard, block_hash) for shard in own.hit_shard_ids()]
+    return [block_key(DIGEST, shard, block_hash) for shard in own.all_shard_ids()]
 
 
 def test_grid_has_valid_and_invalid_layouts() -> None:
@@ -196,7 +196,7 @@ def test_all_shard_ids_are_sorted_identical_everywhere_and_cover_every_rank() ->
         assert len(expected) == pp * dcp * head_shards, layout
         for own in ranks:
             assert own.all_shard_ids() == expected, (layout, own.topology)
-            assert own.hit_shard_ids() == expected, (layout, own.topology)
+            assert own.all_shard_ids() == expected, (layout, own.topology)
 
 
 def test_shard_id_is_shared_exactly_by_ranks_holding_identical_bytes() -> None:

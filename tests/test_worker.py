@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-import time
+import threading
 import uuid
 
 import pytest
@@ -13,11 +13,10 @@ from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.config import AioConfig
 from vllm_aio.connector.deployment import Deployment
-from vllm_aio.connector.block_io import BlockRef
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, LookupCounts
 from vllm_aio.connector.worker import AioWorker
 from vllm_aio.pool.entry import HEADER_BYTES
-from vllm_aio.pool.keys import Namespace
+from vllm_aio.pool.keys import Namespace, block_key
 from vllm_aio.pool.ownership import Ownership
 
 LAYERS, NUM_BLOCKS, PAGE = ("l0", "l1"), 16, (2, 4, 8)  # [blocks, heads, tokens, channels]
@@ -61,7 +60,7 @@ def deployment(cfg: AioConfig, tp_size: int = 1, heads: int = 4, salt: str = "")
 def saved(worker: AioWorker, meta: AioConnectorMetadata) -> None:
     """A step's saves, through to the pool (puts finish in the background)."""
     worker.wait_for_save(meta)
-    worker._send.drain()
+    worker.drain()
 
 
 def transfer(block_ids, tag="x", first_index=0):
@@ -174,7 +173,7 @@ def test_layerwise_values_round_trip_one_layer_at_a_time(make_worker):
     src, dst = kv_caches(1), kv_caches(2)
     saver, backend = make_worker(caches=src, use_layerwise=True)
     forward(saver, AioConnectorMetadata(saves=[transfer([3, 4, 5])]))
-    saver._send.drain()
+    saver.drain()
     assert backend.pool.usage().num_ready == 3 * len(LAYERS)  # one value per block and layer
     loader, _ = make_worker(backend=backend, caches=dst, use_layerwise=True, layerwise_prefetch_layers=0)
     assert forward(loader, AioConnectorMetadata(loads=[transfer([9, 10, 11])])) == set()
@@ -185,7 +184,7 @@ def test_layerwise_values_round_trip_one_layer_at_a_time(make_worker):
 def test_layerwise_and_whole_block_values_never_mix(make_worker):
     saver, backend = make_worker(use_layerwise=True)
     forward(saver, AioConnectorMetadata(saves=[transfer([1, 2])]))
-    saver._send.drain()
+    saver.drain()
     loader, _ = make_worker(backend=backend)
     loader.start_load_kv(AioConnectorMetadata(loads=[transfer([5, 6])]))
     assert loader.get_block_ids_with_load_errors() == {5, 6}
@@ -197,7 +196,7 @@ def test_async_load_is_reported_finished_once_its_blocks_are_in_place(make_worke
     saved(saver, AioConnectorMetadata(saves=[transfer([3, 4])]))
     loader, _ = make_worker(backend=backend, caches=dst, load_async=True)
     loader.start_load_kv(AioConnectorMetadata(loads=[transfer([9, 10])]))
-    loader._recv.drain()
+    loader.drain()
     assert loader.get_finished() == {"r"}
     assert loader.get_finished() == set()
     assert loader.get_block_ids_with_load_errors() == set()
@@ -207,14 +206,15 @@ def test_async_load_is_reported_finished_once_its_blocks_are_in_place(make_worke
 def test_async_load_with_missing_blocks_finishes_and_reports_them(make_worker):
     loader, _ = make_worker(load_async=True)
     loader.start_load_kv(AioConnectorMetadata(loads=[transfer([9, 10])]))
-    loader._recv.drain()
+    loader.drain()
     assert loader.get_finished() == {"r"}
     assert loader.get_block_ids_with_load_errors() == {9, 10}
 
 
 def test_value_with_a_foreign_header_is_refused(make_worker, caplog):
     loader, backend = make_worker()
-    key = loader._io.keys([BlockRef(0, b"x0")], loader._units[0])[0]
+    dep = deployment(AioConfig())
+    key = block_key(dep.namespace.digest(), Ownership(dep.topology()).shard_id, b"x0")
     # Another writer's bytes under our key: same length, different header.
     forged = torch.zeros(VALUE_BYTES, dtype=torch.uint8)
     backend.batch_put([key], [[(forged.data_ptr(), VALUE_BYTES)]])
@@ -224,66 +224,71 @@ def test_value_with_a_foreign_header_is_refused(make_worker, caplog):
     assert "1 foreign" in caplog.text
 
 
-class _SlowBackend(LocalBackend):
-    """Every call takes ``delay`` seconds; records when each layer's get and put ran."""
+class _GatedBackend(LocalBackend):
+    """Records each layer's get and put as it starts; a get may be held until the test releases it."""
 
-    def __init__(self, *args, delay: float = 0.0, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.delay = delay
-        self.calls: dict[tuple[str, int], tuple[float, float]] = {}
-
-    def _timed(self, kind, keys, call):
-        started = time.monotonic()
-        time.sleep(self.delay)
-        result = call()
-        self.calls[(kind, int(keys[0].rsplit(":L", 1)[1]))] = (started, time.monotonic())
-        return result
+        self.started = {(kind, layer): threading.Event() for kind in ("get", "put") for layer in range(len(LAYERS))}
+        self.release_gets = threading.Event()
+        self.release_gets.set()
 
     def batch_get(self, keys, segments):
-        return self._timed("get", keys, lambda: super(_SlowBackend, self).batch_get(keys, segments))
+        self.started[("get", _layer(keys))].set()
+        self.release_gets.wait()
+        return super().batch_get(keys, segments)
 
     def batch_put(self, keys, segments):
-        return self._timed("put", keys, lambda: super(_SlowBackend, self).batch_put(keys, segments))
+        self.started[("put", _layer(keys))].set()
+        return super().batch_put(keys, segments)
 
 
-def slow_backend(delay: float) -> _SlowBackend:
-    return _SlowBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, HEADER_BYTES + PAGE_BYTES, seal=True, delay=delay)
+def _layer(keys) -> int:
+    return int(keys[0].rsplit(":L", 1)[1])
+
+
+def gated_backend() -> _GatedBackend:
+    return _GatedBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, HEADER_BYTES + PAGE_BYTES, seal=True)
+
+
+# A guard against a hang only: every wait below is answered within milliseconds when the code is right.
+HANG_GUARD = 30.0
 
 
 def test_layerwise_transfers_overlap_the_layers_compute(make_worker):
-    backend = slow_backend(0.0)
+    backend = gated_backend()
     saver, _ = make_worker(backend=backend, use_layerwise=True)
     forward(saver, AioConnectorMetadata(saves=[transfer([3, 4], tag="old")]))
-    saver._send.drain()
-    backend.delay = 0.05
+    saver.drain()
     worker, _ = make_worker(backend=backend, use_layerwise=True, layerwise_prefetch_layers=1)
-    computed = {}
+    for event in backend.started.values():
+        event.clear()
+    overlapped = {}
 
     def compute(layer):
-        started = time.monotonic()
-        time.sleep(0.1)
-        computed[layer] = (started, time.monotonic())
+        # Layer 1 is fetched while layer 0 computes; layer 0 is stored while layer 1 computes.
+        other = ("get", 1) if layer == 0 else ("put", 0)
+        overlapped[layer] = backend.started[other].wait(HANG_GUARD)
 
     meta = AioConnectorMetadata(loads=[transfer([9, 10], tag="old")], saves=[transfer([5, 6], tag="new")])
     assert forward(worker, meta, compute) == set()
-    worker._send.drain()
-    calls = backend.calls
-    # Layer 1 arrives while layer 0 computes; layer 0 is stored while layer 1 computes.
-    assert calls[("get", 1)][0] < computed[0][1]
-    assert computed[0][0] < calls[("put", 0)][0] < computed[1][1]
+    assert overlapped == {0: True, 1: True}
 
 
 def test_layer_load_past_the_timeout_fails_the_step_without_waiting_per_layer(make_worker, caplog):
-    backend = slow_backend(0.0)
+    backend = gated_backend()
     saver, _ = make_worker(backend=backend, use_layerwise=True)
     forward(saver, AioConnectorMetadata(saves=[transfer([3, 4])]))
-    saver._send.drain()
-    backend.delay = 1.0  # two layers: the pool needs 2 s
+    saver.drain()
+    backend.release_gets.clear()  # the pool never answers while the step runs
     worker, _ = make_worker(backend=backend, use_layerwise=True, transfer_timeout=0.2)
-    started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="vllm"):
-        errors = forward(worker, AioConnectorMetadata(loads=[transfer([9, 10])]))
-    assert time.monotonic() - started < 1.5
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm"):
+            errors = forward(worker, AioConnectorMetadata(loads=[transfer([9, 10])]))
+    finally:
+        backend.release_gets.set()
     assert errors == {9, 10}
+    # Layer 0 waited out the timeout; layer 1 failed at once, without a wait of its own.
+    assert caplog.text.count("exceeded transfer_timeout") == 1
     assert "layer 0 load exceeded transfer_timeout=0.2s" in caplog.text
     assert "2 pool blocks could not be loaded (2 timeout)" in caplog.text

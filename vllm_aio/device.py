@@ -39,10 +39,6 @@ class Device:
         self.torch_device = device
         self.is_host = device.type == "cpu"
 
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> "Device":
-        return cls(tensor.device)
-
     def new_stream(self) -> torch.Stream | None:
         return None if self.is_host else torch.Stream(device=self.torch_device)
 

@@ -56,6 +56,14 @@ class BlockRef:
     block_hash: bytes
 
 
+@dataclass
+class Batch:
+    """Blocks of several requests moved together, with the request of each."""
+
+    blocks: list[BlockRef]
+    req_ids: list[str]
+
+
 class CopyHandoff:
     """Tells the forward thread when a save no longer reads the cache blocks.
 

@@ -53,10 +53,6 @@ class BlockLayout:
         self.num_blocks = num_blocks
         self.device = kv_caches[layer_names[0]].device
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.planes)
-
     def layer_bytes(self, layer: int) -> int:
         return sum(p.size for p in self.planes[layer])
 

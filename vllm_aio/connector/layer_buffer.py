@@ -22,7 +22,7 @@ Ordering, per step (``S = 2``, hooks named as vLLM calls them):
   writes the step's new K/V into the cache before it calls that hook, and the
   load would overwrite them.
 
-Why two buffers suffice (the design note's argument): if loading a layer is
+Why two buffers suffice: if loading a layer is
 faster than its forward, the load of ``l + 1`` is done before it is needed;
 if slower, the buffer that load targets was released by ``l - 1`` one layer
 earlier. Measured on an H200: S = 2 within 1.12x of max(compute, transfer),
@@ -62,14 +62,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 import torch
 
 from vllm_aio.connector.block_layout import BlockLayout
-from vllm_aio.connector.metadata import BufferStep
+from vllm_aio.connector.metadata import AioConnectorMetadata, BufferStep
 from vllm_aio.connector.staging import Slice, StagingBuffer, even_ranges
 from vllm_aio.device import Device, HostMemory
 
@@ -268,6 +268,51 @@ class LayerBuffer:
                 pending.finish()
         finally:
             self._staging.release(pending.piece)
+
+
+class BufferHooks:
+    """The buffer as one participant of the worker's per-step hooks.
+
+    Each hook runs only in steps the scheduler planned for the buffer (vLLM
+    also runs forwards without connector metadata, e.g. to profile).
+    """
+
+    def __init__(self, buffer: LayerBuffer, layer_names: Sequence[str]) -> None:
+        self.buffer = buffer
+        self._index = {name: i for i, name in enumerate(layer_names)}
+
+    def begin_step(self, meta: AioConnectorMetadata) -> None:
+        if meta.buffer is not None:
+            self.buffer.begin_step(meta.buffer)
+
+    def after_layer(self, layer_name: str, meta: AioConnectorMetadata) -> None:
+        if meta.buffer is not None and layer_name in self._index:
+            layer = self._index[layer_name]
+            self.buffer.layer_done(layer)
+            self.buffer.before_layer(layer + 1)
+
+    def end_step(self, meta: AioConnectorMetadata) -> None:
+        if meta.buffer is not None:
+            self.buffer.end_step()  # saves read the host copy after this
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+class NoBuffer:
+    """Every layer resident on the device: the hooks have nothing to do."""
+
+    def begin_step(self, meta: AioConnectorMetadata) -> None:
+        pass
+
+    def after_layer(self, layer_name: str, meta: AioConnectorMetadata) -> None:
+        pass
+
+    def end_step(self, meta: AioConnectorMetadata) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _host_copy(

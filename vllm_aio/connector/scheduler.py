@@ -67,7 +67,7 @@ class AioScheduler:
         # layerwise, every layer of it) is stored.
         self._key_parts = [
             (digest, shard, unit.tag)
-            for shard in Ownership(deployment.topology()).hit_shard_ids()
+            for shard in Ownership(deployment.topology()).all_shard_ids()
             for unit in deployment.units()
         ]
         # req_id -> latest lookup answer; replaced on every call (idempotent).
@@ -174,7 +174,7 @@ class AioScheduler:
 
         The one decision point for residency: every scheduled request streams
         all its blocks through the S buffers. A policy keeping some requests
-        resident in every layer (the design note gives that to high-priority
+        resident in every layer (e.g. high-priority
         requests) would change the set chosen here and the KV cache plan.
 
         Loaded (``resident``): only the blocks holding tokens from before the

@@ -31,7 +31,7 @@ assert struct.calcsize(_FORMAT) == HEADER_BYTES
 @dataclass(frozen=True)
 class EntryHeader:
     namespace_digest: str  # 16 hex characters
-    shard: str  # the owner's shard id, e.g. "0.0.0.1"
+    shard: str  # the owner's shard id, e.g. "pp0.dcp0.h1" (pool/ownership.py)
     layer: int  # -1 when the value holds every layer
     block_size: int
     payload_bytes: int

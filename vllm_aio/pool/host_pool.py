@@ -208,8 +208,7 @@ class SharedHostPool:
         self._mm = mmap.mmap(fd, layout.file_bytes)
         os.close(fd)
         self.layout = layout
-        for name, (offset, count, dtype) in layout.offsets().items():
-            setattr(self, f"_{name}", np.frombuffer(self._mm, dtype=dtype, count=count, offset=offset))
+        self._map_arrays(layout.offsets())
         self._data_addr = self._data.ctypes.data
         if created:
             self._table[:] = _EMPTY
@@ -217,6 +216,24 @@ class SharedHostPool:
             self._header[_H_NUM_SLOTS] = num_slots
             self._header[_H_TABLE_SIZE] = layout.table_size
         return created
+
+    def _map_arrays(self, offsets: dict[str, tuple[int, int, type]] | None) -> None:
+        """The metadata arrays and the slots as numpy views of the mapping (None: drop them)."""
+
+        def view(name: str) -> np.ndarray | None:
+            if offsets is None:
+                return None
+            offset, count, dtype = offsets[name]
+            return np.frombuffer(self._mm, dtype=dtype, count=count, offset=offset)
+
+        self._header = view("header")
+        self._table = view("table")
+        self._key_hi = view("key_hi")
+        self._key_lo = view("key_lo")
+        self._version = view("version")
+        self._last_used = view("last_used")
+        self._state = view("state")
+        self._data = view("data")
 
     def seal(self) -> None:
         """Unlink the pool's name now; attached processes keep their mappings.
@@ -240,8 +257,7 @@ class SharedHostPool:
             if last:
                 self.path.unlink(missing_ok=True)
                 lock_path(self.name).unlink(missing_ok=True)
-        for name in self.layout.offsets():
-            setattr(self, f"_{name}", None)
+        self._map_arrays(None)  # numpy views of the mapping would keep it open
         try:
             self._mm.close()
         except BufferError:

@@ -124,17 +124,13 @@ class Ownership:
         )
 
     def all_shard_ids(self) -> list[str]:
-        """Every distinct shard of the deployment, sorted (same on all ranks)."""
-        return list(self._all_shard_ids)
+        """Every distinct shard of the deployment, sorted (same on all ranks).
 
-    def hit_shard_ids(self) -> list[str]:
-        """Shards whose keys must all exist for a block to count as a hit.
-
-        The scheduler answers for the whole deployment: a block skips
-        recomputation only if every rank of every pipeline stage can load its
-        part, so this is every shard, not just this rank's stage.
+        A block counts as a pool hit only when every one of them is stored: the
+        scheduler answers for the whole deployment, and a block skips
+        recomputation only if every rank of every pipeline stage can load its part.
         """
-        return self.all_shard_ids()
+        return list(self._all_shard_ids)
 
     def stores(self, block_index: int) -> bool:
         """Whether this rank writes the block (fixed split over replicas)."""

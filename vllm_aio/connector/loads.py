@@ -1,0 +1,252 @@
+"""How a worker loads pool blocks into vLLM's KV cache: one strategy, chosen at start.
+
+* ``BeforeForward`` (whole-block values): the step's loads run in
+  ``start_load_kv``, before the forward; the compute stream waits for the copies.
+* ``BeforeBuffer`` (with the dynamic buffer): the same, but when vLLM binds the
+  step's metadata, because the buffer fills its first layers from the host
+  copy right after and the loaded blocks must be there first.
+* ``Layerwise``: a *retrieve* generator queues layer 0 (plus
+  ``layerwise_prefetch_layers``) on the receiving thread; each
+  ``wait_for_layer(i)`` waits for layer i alone and queues the next, so layer
+  i+1 arrives while layer i computes. A layer past ``transfer_timeout`` fails
+  the whole step's loads at once (not layer by layer).
+* ``InBackground`` (``load_async``): whole prefixes load on the receiving thread
+  while vLLM keeps the requests waiting; ``finished`` reports them.
+
+Every outcome goes to ``LoadReport``: blocks that could not be loaded (missing,
+evicted mid-read, short, foreign header, pool down, too slow) are reported to
+vLLM through ``get_block_ids_with_load_errors``, which recomputes them with
+``kv_load_failure_policy: recompute``, and logged once per request and step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import torch
+
+from vllm_aio.backends import Status
+from vllm_aio.connector.block_io import Batch, BlockIO, BlockRef
+from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer
+from vllm_aio.connector.transfer import TransferThread
+from vllm_aio.log import get_logger
+from vllm_aio.pool.keys import Unit
+from vllm_aio.pool.ownership import Ownership
+
+logger = get_logger(__name__)
+
+AddStats = Callable[..., None]
+
+
+@dataclass
+class _Load:
+    batch: Batch
+    unit: Unit
+    future: "Future[tuple[list[Status], torch.Event | None]]"
+    started: float
+
+
+class LoadReport:
+    """Failed blocks per request, reported to vLLM and logged once per step; load stats."""
+
+    def __init__(self, io: BlockIO, last_unit: Unit, add_stats: AddStats) -> None:
+        self._io = io
+        self._last_unit = last_unit
+        self._add_stats = add_stats
+        self._failed: dict[str, Counter[str]] = {}
+        self._errors: set[int] = set()
+
+    def finish(self, batch: Batch, unit: Unit, statuses: list[Status], started: float) -> None:
+        ok = 0
+        for block, req_id, status in zip(batch.blocks, batch.req_ids, statuses):
+            if status is Status.OK:
+                ok += 1
+            else:
+                self._record(req_id, block.block_id, status.value)
+        self._add_stats(
+            load_blocks=ok if unit is self._last_unit else 0,
+            load_bytes=ok * self._io.value_bytes(unit),
+            load_seconds=time.perf_counter() - started,
+        )
+
+    def fail(self, batch: Batch, reason: str) -> None:
+        for block, req_id in zip(batch.blocks, batch.req_ids):
+            self._record(req_id, block.block_id, reason)
+
+    def pool_failed(self, exc: Exception, batch: Batch) -> list[Status]:
+        logger.warning("vllm_aio: pool load failed: %s", exc)
+        return [Status.ERROR] * len(batch.blocks)
+
+    def take_errors(self) -> set[int]:
+        for req_id, reasons in self._failed.items():
+            logger.warning(
+                "vllm_aio: request %s: %d pool blocks could not be loaded (%s); vLLM recomputes them",
+                req_id,
+                sum(reasons.values()),
+                ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())),
+            )
+        self._add_stats(load_failures=len(self._errors))
+        errors, self._errors, self._failed = self._errors, set(), {}
+        return errors
+
+    def _record(self, req_id: str, block_id: int, reason: str) -> None:
+        if block_id not in self._errors:
+            self._errors.add(block_id)
+            self._failed.setdefault(req_id, Counter())[reason] += 1
+
+
+class Loads:
+    """The strategy interface; the base loads nothing at any hook."""
+
+    def __init__(
+        self, io: BlockIO, owner: Ownership, units: list[Unit], recv: TransferThread, report: LoadReport,
+        timeout: float,
+    ) -> None:
+        self._io = io
+        self._owner = owner
+        self._units = units
+        self._recv = recv
+        self._report = report
+        self._timeout = timeout
+
+    def begin_step(self, meta: AioConnectorMetadata) -> None:
+        """vLLM bound the step's metadata (before every forward)."""
+
+    def start(self, meta: AioConnectorMetadata) -> None:
+        """``start_load_kv``."""
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Before the layer's attention reads its KV."""
+
+    def finished(self) -> set[str]:
+        """Requests whose background load ended (with or without errors)."""
+        return set()
+
+    def _batch(self, transfers: list[BlockTransfer]) -> Batch:
+        # Every rank loads its shard of every block; replicas of a shard start
+        # at different blocks so they do not all hit the same values at once.
+        batch = Batch([], [])
+        for t in transfers:
+            for i in self._owner.read_order(range(len(t.block_ids))):
+                batch.blocks.append(BlockRef(t.block_ids[i], t.block_hashes[i]))
+                batch.req_ids.append(t.req_id)
+        return batch
+
+    def _submit(self, batch: Batch, unit: Unit) -> _Load:
+        return _Load(batch, unit, self._recv.submit(self._io.load, batch.blocks, unit), time.perf_counter())
+
+    def _load_now(self, meta: AioConnectorMetadata) -> None:
+        if not meta.loads:
+            return
+        batch, unit, started = self._batch(meta.loads), self._units[0], time.perf_counter()
+        try:
+            statuses, copied = self._io.load(batch.blocks, unit)
+            self._io.device.wait(copied)  # the forward runs after the copies
+        except Exception as exc:
+            statuses = self._report.pool_failed(exc, batch)
+        self._report.finish(batch, unit, statuses, started)
+
+
+class BeforeForward(Loads):
+    def start(self, meta: AioConnectorMetadata) -> None:
+        self._load_now(meta)
+
+
+class BeforeBuffer(Loads):
+    def begin_step(self, meta: AioConnectorMetadata) -> None:
+        if meta.buffer is not None:
+            self._load_now(meta)
+
+
+class InBackground(Loads):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._loads: dict[str, _Load] = {}
+
+    def start(self, meta: AioConnectorMetadata) -> None:
+        for transfer in meta.loads:
+            self._loads[transfer.req_id] = self._submit(self._batch([transfer]), self._units[0])
+
+    def finished(self) -> set[str]:
+        done = set()
+        for req_id, load in list(self._loads.items()):
+            if not load.future.done():
+                continue
+            try:
+                statuses, copied = load.future.result()
+                if not self._io.device.completed(copied):
+                    continue  # still on its way to the device
+            except Exception as exc:
+                statuses = self._report.pool_failed(exc, load.batch)
+            del self._loads[req_id]
+            self._report.finish(load.batch, load.unit, statuses, load.started)
+            done.add(req_id)
+        return done
+
+
+class Layerwise(Loads):
+    def __init__(self, *args, layer_names: list[str], prefetch: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._unit_of_layer = dict(zip(layer_names, self._units))
+        self._prefetch = prefetch
+        # This step's state, reset by start (forward thread only).
+        self._loads: dict[int, _Load] = {}
+        self._retrieve: Iterator[_Load] | None = None
+        self._stalled = False  # a load of this step overran transfer_timeout
+
+    def start(self, meta: AioConnectorMetadata) -> None:
+        if self._stalled:  # late copies of a timed-out step must not race this one
+            self._recv.drain()
+            self._stalled = False
+        self._loads.clear()
+        self._retrieve = self._retrieve_layers(self._batch(meta.loads)) if meta.loads else None
+        for _ in range(1 + self._prefetch):
+            self._advance()
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        unit = self._unit_of_layer.get(layer_name)
+        load = self._take(unit) if unit is not None else None
+        if load is None:
+            return
+        if self._stalled:  # an earlier layer timed out: the whole step is being recomputed
+            self._report.fail(load.batch, "timeout")
+            return
+        try:
+            statuses, copied = load.future.result(timeout=self._timeout)
+            self._io.device.wait(copied)  # this layer's attention runs after its copies
+        except FutureTimeout:
+            self._stalled = True
+            logger.warning(
+                "vllm_aio: layer %d load exceeded transfer_timeout=%.1fs; this step's pool blocks are recomputed",
+                unit.tag,
+                self._timeout,
+            )
+            self._report.fail(load.batch, "timeout")
+            return
+        except Exception as exc:
+            statuses = self._report.pool_failed(exc, load.batch)
+        self._report.finish(load.batch, unit, statuses, load.started)
+
+    def _retrieve_layers(self, batch: Batch) -> Iterator[_Load]:
+        """Queues one layer's load each time it is advanced."""
+        for unit in self._units:
+            yield self._submit(batch, unit)
+
+    def _advance(self) -> bool:
+        load = next(self._retrieve, None) if self._retrieve else None
+        if load is not None:
+            self._loads[load.unit.tag] = load
+        return load is not None
+
+    def _take(self, unit: Unit) -> _Load | None:
+        while unit.tag not in self._loads:
+            if not self._advance():
+                return None
+        load = self._loads.pop(unit.tag)
+        self._advance()  # keep the prefetch window full
+        return load

@@ -1,0 +1,140 @@
+"""How a worker saves the blocks a step filled: one strategy, chosen at start.
+
+* ``WholeBlockSaves``: in ``wait_for_save`` every layer of the step's blocks
+  is handed to the sending thread as one value per block.
+* ``LayerwiseSaves``: a *store* generator hands layer i's blocks to the
+  sending thread right after the layer's attention (``after_layer``).
+
+Either way ``wait_for_save`` then waits (bounded by ``transfer_timeout``)
+until the sending thread has copied the step's blocks out of the cache, so
+vLLM may free or reuse them; the pool puts go on in the background from
+staging. A failed save is counted and logged once per kind; the request goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Generator
+
+import torch
+
+from vllm_aio.backends import Status
+from vllm_aio.connector.block_io import Batch, BlockIO, BlockRef, CopyHandoff
+from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer
+from vllm_aio.connector.transfer import TransferThread
+from vllm_aio.log import get_logger
+from vllm_aio.pool.keys import Unit
+from vllm_aio.pool.ownership import Ownership
+
+logger = get_logger(__name__)
+
+
+class Saves:
+    """The strategy interface and the sending-thread work both strategies share."""
+
+    def __init__(
+        self, io: BlockIO, owner: Ownership, units: list[Unit], send: TransferThread,
+        add_stats: Callable[..., None], timeout: float,
+    ) -> None:
+        self._io = io
+        self._owner = owner
+        self._units = units
+        self._send = send
+        self._add_stats = add_stats
+        self._timeout = timeout
+        self._handoffs: list[CopyHandoff] = []  # this step's, forward thread only
+        self._failures_logged: set[Status] = set()
+
+    def after_layer(self, layer_name: str, meta: AioConnectorMetadata) -> None:
+        """Right after the layer's attention wrote its KV."""
+
+    def end_step(self, meta: AioConnectorMetadata) -> None:
+        """``wait_for_save``: returns once the step's blocks are out of the cache."""
+        deadline = time.monotonic() + self._timeout
+        handoffs, self._handoffs = self._handoffs, []
+        for handoff in handoffs:
+            if not handoff.wait(max(0.0, deadline - time.monotonic())):
+                self._log_failure(Status.ERROR, f"copy out of the KV cache exceeded transfer_timeout="
+                                  f"{self._timeout}s, save abandoned")
+
+    def _batch(self, transfers: list[BlockTransfer]) -> Batch:
+        batch = Batch([], [])
+        for t in transfers:
+            first = t.first_index
+            for i in self._owner.owned_blocks(range(first, first + len(t.block_ids))):
+                batch.blocks.append(BlockRef(t.block_ids[i - first], t.block_hashes[i - first]))
+                batch.req_ids.append(t.req_id)
+        return batch
+
+    def _submit(self, batch: Batch, unit: Unit) -> None:
+        if not batch.blocks:
+            return
+        handoff = CopyHandoff()
+        computed = self._io.device.record()  # after this layer's attention wrote its KV
+        self._send.submit(self._save, batch, unit, computed, handoff)
+        self._handoffs.append(handoff)
+
+    def _save(self, batch: Batch, unit: Unit, computed: torch.Event | None, handoff: CopyHandoff) -> None:
+        """Runs on the sending thread."""
+        started = time.perf_counter()
+        try:
+            statuses = self._io.save(batch.blocks, unit, computed, handoff)
+        except Exception as exc:
+            statuses = [Status.ERROR] * len(batch.blocks)
+            self._log_failure(Status.ERROR, str(exc))
+        counts = Counter(statuses)
+        for status in (Status.NO_SPACE, Status.ERROR):
+            if counts[status]:
+                self._log_failure(status, f"{counts[status]} blocks")
+        last = unit is self._units[-1]
+        self._add_stats(
+            save_blocks=counts[Status.OK] if last else 0,
+            save_bytes=counts[Status.OK] * self._io.value_bytes(unit),
+            save_seconds=time.perf_counter() - started,
+            save_skipped=counts[Status.EXISTS] if last else 0,
+            save_failures=counts[Status.NO_SPACE] + counts[Status.ERROR],
+        )
+
+    def _log_failure(self, status: Status, detail: str) -> None:
+        if status in self._failures_logged:
+            return
+        self._failures_logged.add(status)
+        logger.warning(
+            "vllm_aio: pool save failed (%s: %s); requests continue, later failures of this "
+            "kind are only counted in the KV Transfer metrics",
+            status.value,
+            detail,
+        )
+
+
+class WholeBlockSaves(Saves):
+    def end_step(self, meta: AioConnectorMetadata) -> None:
+        if meta.saves:
+            self._submit(self._batch(meta.saves), self._units[0])
+        super().end_step(meta)
+
+
+class LayerwiseSaves(Saves):
+    def __init__(self, *args, layer_names: list[str], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._unit_of_layer = dict(zip(layer_names, self._units))
+        self._store: Generator[None, Unit, None] | None = None  # this step's
+
+    def after_layer(self, layer_name: str, meta: AioConnectorMetadata) -> None:
+        unit = self._unit_of_layer.get(layer_name)
+        if unit is None or not meta.saves:
+            return
+        if self._store is None:
+            self._store = self._store_layers(self._batch(meta.saves))
+            next(self._store)
+        self._store.send(unit)
+
+    def end_step(self, meta: AioConnectorMetadata) -> None:
+        self._store = None
+        super().end_step(meta)
+
+    def _store_layers(self, batch: Batch) -> Generator[None, Unit, None]:
+        """Hands the step's blocks of each layer it is sent to the sending thread."""
+        while True:
+            self._submit(batch, (yield))
