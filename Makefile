@@ -14,8 +14,8 @@ MODEL := models/tiny
 # Runtime libraries of the Mooncake wheel (ImportError: libibverbs.so.1 without them).
 SYS_PKGS := libibverbs1 librdmacm1 libnuma1
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo )
-# Under CI: no colour, and a summary of every non-passing test at the end.
-PYTEST_ARGS ?= -v -p no:cacheprovider $(if $(CI),--color=no -ra,)
+# Under CI: no colour, a summary of every non-passing test and the slowest tests at the end.
+PYTEST_ARGS ?= -v -p no:cacheprovider $(if $(CI),--color=no -ra --durations=20,)
 
 .PHONY: venv install syspkgs model demo test test-gpu
 

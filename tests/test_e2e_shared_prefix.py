@@ -20,12 +20,16 @@ prefix, and logprobs then differ from the baseline by up to ~0.033
 
 from __future__ import annotations
 
+import glob
+import json
 import random
+import urllib.request
 
 import pytest
 
 from conftest import TP2, Engine, aio_config, assert_same_generation
 from test_e2e_pool import TRANSFER_MODES
+from vllm_aio.pool.entry import HEADER_BYTES
 
 pytest_plugins = ["mooncake_fixtures"]
 
@@ -45,6 +49,7 @@ def shared_prefix_prompts(seed: int) -> list[list[int]]:
 
 PROMPTS = shared_prefix_prompts(16)
 SHARED_BLOCKS = PREFIX_TOKENS // BLOCK
+DISTINCT_BLOCKS = SHARED_BLOCKS + sum((PREFIX_TOKENS + n) // BLOCK - SHARED_BLOCKS for n in TAILS)
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +74,12 @@ def assert_every_shared_block_served(engine: Engine, cold: list[dict], warm: lis
 
 @pytest.mark.parametrize("mode", TRANSFER_MODES)
 def test_requests_sharing_a_prefix_in_one_step_all_load_it_from_the_embedded_pool(engine, together_baseline, mode):
+    # Private pools are named after the engine; other pools may come and go.
+    pools_before = set(glob.glob("/dev/shm/vllm_aio.engine-*"))
     config = aio_config(local_pool_size="256MB", **TRANSFER_MODES[mode])
     cold, warm = engine.run([PROMPTS, PROMPTS], config, **TOGETHER)
     assert_every_shared_block_served(engine, cold, warm, together_baseline)
+    assert set(glob.glob("/dev/shm/vllm_aio.engine-*")) <= pools_before, "the private pool outlived its engine"
 
 
 def mooncake(pool, **extra) -> dict:
@@ -87,7 +95,7 @@ def test_requests_sharing_a_prefix_in_one_step_all_load_it_from_mooncake(
     assert_every_shared_block_served(engine, cold, warm, together_baseline)
 
 
-def test_ranks_sharing_one_kv_head_load_a_shared_prefix_for_every_request_from_mooncake(
+def test_ranks_sharing_one_kv_head_store_one_copy_and_load_a_shared_prefix_for_every_request_from_mooncake(
     tiny_1kv_model, tmp_path, mooncake_pool_factory
 ):
     (baseline,) = Engine(tiny_1kv_model, tmp_path).run([PROMPTS], **TOGETHER_TP2)
@@ -95,3 +103,22 @@ def test_ranks_sharing_one_kv_head_load_a_shared_prefix_for_every_request_from_m
     engine = Engine(tiny_1kv_model, tmp_path)
     cold, warm = engine.run([PROMPTS, PROMPTS], mooncake(pool), **TOGETHER_TP2)
     assert_every_shared_block_served(engine, cold, warm, baseline)
+    # One value per distinct block between the two ranks: the entry header, then the block's bytes.
+    value = HEADER_BYTES + one_kv_head_block_bytes(tiny_1kv_model)
+    assert pool_contents(pool) == (DISTINCT_BLOCKS, DISTINCT_BLOCKS * value)
+
+
+def pool_contents(pool) -> tuple[int, int]:
+    """(keys, bytes) the master holds, from its Prometheus endpoint on the metrics port."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{pool.metrics_port}/metrics", timeout=5) as reply:
+        lines = reply.read().decode().splitlines()
+    values = dict(line.split() for line in lines if line.startswith(("master_key_count ", "master_allocated_bytes ")))
+    return int(values["master_key_count"]), int(values["master_allocated_bytes"])
+
+
+def one_kv_head_block_bytes(model) -> int:
+    """K and V of the model's single KV head, every layer, one 32-token block (bf16)."""
+    cfg = json.loads((model / "config.json").read_text())
+    assert cfg["num_key_value_heads"] == 1
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * head_dim * 32 * 2
