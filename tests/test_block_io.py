@@ -27,7 +27,10 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 EVERY_LAYER, LAYER_1 = Unit((0, 1, 2), None), Unit((1,), 1)
 
 
-def make_io(device: str, shape: tuple[int, ...], backend: LocalBackend | None, seed: int, shard: str = "pp0.dcp0.h0"):
+def make_io(
+    device: str, shape: tuple[int, ...], backend: LocalBackend | None, seed: int, shard: str = "pp0.dcp0.h0",
+    staging: int = 1 << 20,
+):
     g = torch.Generator().manual_seed(seed)
     caches = {n: torch.randn(shape, generator=g).to(torch.bfloat16).to(device) for n in LAYERS}
     layout = BlockLayout(caches, LAYERS, NUM_BLOCKS)
@@ -35,7 +38,7 @@ def make_io(device: str, shape: tuple[int, ...], backend: LocalBackend | None, s
     value = HEADER_BYTES + layout.payload_bytes(EVERY_LAYER.layers)
     backend = backend or LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, value, seal=True)
     header = EntryHeader("0123456789abcdef", shard, -1, 16, 0)
-    io = BlockIO(layout, backend, header, StagingBuffer(dev, 1 << 20), StagingBuffer(dev, 1 << 20), 5.0)
+    io = BlockIO(layout, backend, header, StagingBuffer(dev, staging), StagingBuffer(dev, staging), 5.0)
     return io, caches, backend
 
 
@@ -79,7 +82,7 @@ def test_a_value_of_another_shard_is_refused_and_leaves_the_device_cache_alone(d
     # The reader asks for its own key; plant the other shard's value under it.
     key = loader.keys(refs([0]), EVERY_LAYER)[0]
     theirs = saver.keys(refs([0]), EVERY_LAYER)[0]
-    value = torch.empty(HEADER_BYTES + loader._layout.payload_bytes(EVERY_LAYER.layers), dtype=torch.uint8)
+    value = torch.empty(loader.value_bytes(EVERY_LAYER), dtype=torch.uint8)
     assert backend.batch_get([theirs], [[(value.data_ptr(), value.numel())]]) == [Status.OK]
     backend.batch_put([key], [[(value.data_ptr(), value.numel())]])
     before = {n: t.clone() for n, t in dst.items()}
@@ -91,8 +94,7 @@ def test_a_value_of_another_shard_is_refused_and_leaves_the_device_cache_alone(d
 def test_one_layer_values_move_only_that_layer(device_and_shape):
     device, shape = device_and_shape
     saver, src, _ = make_io(device, shape, None, seed=1)
-    value = HEADER_BYTES + saver._layout.payload_bytes(LAYER_1.layers)
-    backend = LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, value, seal=True)
+    backend = LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, saver.value_bytes(LAYER_1), seal=True)
     saver, src, _ = make_io(device, shape, backend, seed=1)
     saver.save(refs([2, 4]), LAYER_1, saver.device.record(), CopyHandoff())
     loader, dst, _ = make_io(device, shape, backend, seed=2)
@@ -114,14 +116,11 @@ def test_batch_larger_than_the_staging_buffer_moves_chunk_by_chunk(device_and_sh
     from vllm_aio.connector import block_io
 
     device, shape = device_and_shape
-    saver, src, backend = make_io(device, shape, None, seed=1)
-    value = saver.value_bytes(EVERY_LAYER)
+    value = make_io(device, shape, None, seed=1)[0].value_bytes(EVERY_LAYER)
     monkeypatch.setattr(block_io, "_CHUNK_BYTES", 2 * value)  # chunks of two values
-    dev = Device(torch.device(device))
-    saver._saves = StagingBuffer(dev, 3 * value)  # room for one chunk at a time
+    saver, src, backend = make_io(device, shape, None, seed=1, staging=3 * value)  # one chunk at a time
     assert saver.save(refs(range(8)), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK] * 8
-    loader, dst, _ = make_io(device, shape, backend, seed=2)
-    loader._loads = StagingBuffer(dev, 3 * value)
+    loader, dst, _ = make_io(device, shape, backend, seed=2, staging=3 * value)
     assert loaded(loader, refs(range(4, 12)), EVERY_LAYER) == [Status.OK] * 8
     blocks = (lambda t, ids: t[ids] if len(shape) == 4 else t[:, ids])
     for n in LAYERS:
@@ -129,8 +128,7 @@ def test_batch_larger_than_the_staging_buffer_moves_chunk_by_chunk(device_and_sh
 
 
 def test_save_without_staging_space_is_skipped_not_blocked():
-    saver, _, backend = make_io("cpu", SHAPES["block_major"], None, seed=1)
-    saver._saves = StagingBuffer(Device(torch.device("cpu")), 100)
+    saver, _, backend = make_io("cpu", SHAPES["block_major"], None, seed=1, staging=100)
     handoff = CopyHandoff()
     assert saver.save(refs([1]), EVERY_LAYER, None, handoff) == [Status.NO_SPACE]
     assert handoff.wait(0)
