@@ -31,6 +31,8 @@ class _WallEvent:
 class Accel:
     """Streams and events through torch's accelerator API; on CPU no streams and wall-clock events."""
 
+    HELP = "auto (the current accelerator, else cpu), cuda, cpu, ..."
+
     def __init__(self, name: str) -> None:
         if name == "auto":
             acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -88,6 +90,15 @@ class Accel:
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
 
 
+def wall(acc: Accel, fn) -> float:
+    """Seconds of ``fn()`` on the host clock, the device idle before and drained after."""
+    acc.sync()
+    start = time.perf_counter()
+    fn()
+    acc.sync()
+    return time.perf_counter() - start
+
+
 def timed(acc: Accel, enqueue) -> float:
     """ms from a start event on the compute stream to an end event after ``enqueue(start)``."""
     acc.sync()
@@ -112,13 +123,3 @@ def copy_bandwidth(acc: Accel, host: torch.Tensor, nbytes: int, reps: int = 5) -
         out[f"{name}_GBps"] = nbytes / (statistics.median(samples[1:]) * 1e-3) / 1e9
     del dev
     return out
-
-
-def print_markdown(head: list[str], body: list[list[str]]) -> None:
-    """A right-aligned markdown table."""
-    table = [head] + body
-    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    for i, r in enumerate(table):
-        print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
-        if i == 0:
-            print("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")

@@ -1,5 +1,8 @@
 """The connector's real transfer path on the device: ``BlockIO`` over the embedded ``LocalBackend``.
 
+``BlockIO`` is built by ``open_block_io``, as the worker builds it (layout,
+one staging buffer per direction, registrations), over a fresh pool per case.
+
 What is measured (one batch of scattered blocks per call, median of ``--repeats``
 after ``--warmup``; every timing starts and ends with a device synchronize):
 
@@ -57,11 +60,8 @@ Results JSON goes to ``benchmarks/results/block_io_device.json`` unless ``--json
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -71,87 +71,21 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_aio.backends import Status  # noqa: E402
 from vllm_aio.backends.local import LocalBackend  # noqa: E402
-from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff  # noqa: E402
+from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff, open_block_io  # noqa: E402
 from vllm_aio.connector.block_layout import BlockLayout  # noqa: E402
-from vllm_aio.connector.staging import StagingBuffer  # noqa: E402
-from vllm_aio.device import Device  # noqa: E402
 from vllm_aio.pool import host_pool  # noqa: E402
-from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader  # noqa: E402
+from vllm_aio.pool.entry import HEADER_BYTES  # noqa: E402
 from vllm_aio.pool.keys import Unit  # noqa: E402
-from _accel import print_markdown  # noqa: E402  (benchmarks/ is on sys.path)
+from _accel import Accel, timed, wall  # noqa: E402  (benchmarks/ is on sys.path)
+from _model import DTYPE, LLAMA3_8B, TINY, Model  # noqa: E402
+from _pool import expect, free_bytes, header, use_pool_dir  # noqa: E402
+from _report import arguments, print_markdown, write_results  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "block_io_device.json"
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-DTYPE = torch.bfloat16
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    layers: int
-    kv_heads: int
-    head_dim: int
-    block_size: int = 16
-
-    @property
-    def plane_bytes(self) -> int:  # K (or V) of one block of one layer
-        return self.block_size * self.kv_heads * self.head_dim * DTYPE.itemsize
-
-
-LLAMA3_8B = Model("Llama-3-8B", layers=32, kv_heads=8, head_dim=128)
-TINY = Model("tiny (--quick)", layers=4, kv_heads=2, head_dim=32)
-
-
-# ---------------------------------------------------------------- timing
-
-def resolve(name: str) -> torch.device:
-    if name == "auto":
-        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        name = acc.type if acc is not None else "cpu"
-    dev = torch.device(name)
-    if dev.type != "cpu" and dev.index is None:
-        dev = torch.device(dev.type, torch.accelerator.current_device_index())
-    return dev
-
-
-def describe(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return f"{dev.type} ({platform.processor() or platform.machine()})"
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    elif dev.type != "cpu":
-        torch.accelerator.synchronize(dev)
-
-
-def wall(dev: torch.device, fn) -> float:
-    """Seconds of ``fn()``, the device idle before and drained after."""
-    sync(dev)
-    start = time.perf_counter()
-    fn()
-    sync(dev)
-    return time.perf_counter() - start
-
-
-def events(dev: torch.device, fn) -> float:
-    """Seconds of the device work ``fn`` enqueues on the current stream (CUDA events); wall time on CPU."""
-    if dev.type == "cpu":
-        return wall(dev, fn)
-    sync(dev)
-    start, end = torch.Event(dev, enable_timing=True), torch.Event(dev, enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    sync(dev)
-    return start.elapsed_time(end) * 1e-3
 
 
 def load_and_wait(io: BlockIO, blocks: list[BlockRef], unit: Unit) -> list[Status]:
@@ -159,12 +93,6 @@ def load_and_wait(io: BlockIO, blocks: list[BlockRef], unit: Unit) -> list[Statu
     statuses, copied = io.load(blocks, unit)
     io.device.wait(copied)
     return statuses
-
-
-def expect(statuses: list[Status], want: Status, what: str) -> None:
-    bad = [s for s in statuses if s is not want]
-    if bad:
-        raise RuntimeError(f"{what}: {len(bad)} of {len(statuses)} returned {bad[0]} (want {want})")
 
 
 # ---------------------------------------------------------------- one case
@@ -176,12 +104,12 @@ class Case:
 
 
 class Bench:
-    """The cache, staging and ceiling buffers shared by every case."""
+    """The cache and the ceilings' buffers shared by every case; each case opens its own pool and BlockIO."""
 
-    def __init__(self, dev: torch.device, m: Model, max_blocks: int, args) -> None:
-        self.dev, self.m, self.args = dev, m, args
+    def __init__(self, acc: Accel, m: Model, max_blocks: int, args) -> None:
+        self.acc, self.m, self.args = acc, m, args
+        dev = acc.device
         self.num_blocks = 2 * max_blocks + 64  # saved and loaded block ids never overlap
-        gen = torch.Generator().manual_seed(0)
         on_dev = torch.Generator(device=dev).manual_seed(0)
         shape = (2, self.num_blocks, m.block_size, m.kv_heads, m.head_dim)
         self.names = [f"layers.{i}.attn" for i in range(m.layers)]
@@ -189,19 +117,14 @@ class Bench:
             n: torch.randint(-32768, 32767, shape, generator=on_dev, dtype=torch.int16, device=dev).view(DTYPE)
             for n in self.names
         }
-        self.layout = BlockLayout(self.caches, self.names, self.num_blocks)
-        self.device = Device(dev)
-        self.whole_value = HEADER_BYTES + self.layout.payload_bytes(range(m.layers))
-        self.max_bytes = max_blocks * self.whole_value
-        self.load_staging = StagingBuffer(self.device, self.max_bytes)
-        self.save_staging = StagingBuffer(self.device, self.max_bytes)
-        self.host_a = self.device.host_buffer(self.max_bytes)  # ceilings: pinned on an accelerator
-        self.host_b = self.device.host_buffer(self.max_bytes)
+        self.layout = BlockLayout(self.caches, self.names, self.num_blocks)  # the on-device ceilings
+        self.max_bytes = max_blocks * (HEADER_BYTES + self.layout.payload_bytes(range(m.layers)))
+        self.host_a = acc.pinned(self.max_bytes)  # ceilings: pinned on an accelerator
+        self.host_b = acc.pinned(self.max_bytes)
         self.host_a.fill_(1)
         self.host_b.fill_(2)
-        self.dev_buf = torch.empty(self.max_bytes, dtype=torch.uint8, device=dev) if dev.type != "cpu" else None
-        self.header = EntryHeader("0123456789abcdef", "pp0.dcp0.h0", -1, m.block_size, 0)
-        self.gen = gen
+        self.dev_buf = torch.empty(self.max_bytes, dtype=torch.uint8, device=dev) if acc.is_async else None
+        self.gen = torch.Generator().manual_seed(0)
 
     def unit(self, name: str) -> Unit:
         if name == "whole block":
@@ -209,14 +132,15 @@ class Bench:
         return Unit((self.args.layer,), self.args.layer)
 
     def run(self, case: Case) -> dict:
-        args, dev, n = self.args, self.dev, case.blocks
+        args, acc, n = self.args, self.acc, case.blocks
+        dev = acc.device
         unit = self.unit(case.unit_name)
         payload = self.layout.payload_bytes(unit.layers)
         value = HEADER_BYTES + payload
         batch = n * value  # bytes that cross each stage
         reps = args.warmup + args.repeats
         want_slots = n * (1 + 2 * reps)  # the loaded keys + fresh keys for each save and pool put
-        shm_free = _shm_free()
+        shm_free = free_bytes()
         cap = min(int(args.pool_gib * GiB), int(shm_free * 0.8))
         slots = min(want_slots, cap // value)
         row: dict = {"case": case.unit_name, "blocks": n, "value_bytes": value, "payload_bytes": n * payload,
@@ -232,7 +156,8 @@ class Bench:
         tag = uuid.uuid4().hex[:8]
         backend = LocalBackend(f"bench-bio-{tag}", slots * value, value, seal=True)
         try:
-            io = BlockIO(self.layout, backend, self.header, self.load_staging, self.save_staging, 30.0)
+            io = open_block_io(self.caches, self.names, self.num_blocks, backend, header(self.m.block_size),
+                               self.max_bytes, 30.0)
             pool = backend.pool
             pool._data[:] = 0  # pre-fault every page of the pool (internal view; untimed)
             host_rows = [[(self.host_a.data_ptr() + i * value, value)] for i in range(n)]
@@ -265,24 +190,27 @@ class Bench:
                 keys = io.keys(fresh("put"), unit)
                 expect(backend.batch_put(keys, host_rows), Status.OK, "pool put")
 
+            def events(fn) -> float:  # seconds of the device work fn enqueues (CUDA events; wall time on CPU)
+                return timed(acc, lambda _start: fn()) * 1e-3
+
             reads = {
-                "load": lambda: wall(dev, lambda: expect(load_and_wait(io, into, unit), Status.OK, "BlockIO.load")),
-                "pool_get": lambda: wall(dev, lambda: expect(backend.batch_get(load_keys, host_rows), Status.OK,
+                "load": lambda: wall(acc, lambda: expect(load_and_wait(io, into, unit), Status.OK, "BlockIO.load")),
+                "pool_get": lambda: wall(acc, lambda: expect(backend.batch_get(load_keys, host_rows), Status.OK,
                                                              "pool get")),
-                "host_memcpy": lambda: wall(dev, lambda: b.copy_(a)),
-                "memmove_1t": lambda: wall(dev, lambda: ctypes.memmove(b_addr, a_addr, batch)),
+                "host_memcpy": lambda: wall(acc, lambda: b.copy_(a)),
+                "memmove_1t": lambda: wall(acc, lambda: ctypes.memmove(b_addr, a_addr, batch)),
             }
             writes = {
-                "save": lambda: wall(dev, do_save),
-                "pool_put": lambda: wall(dev, do_put),
+                "save": lambda: wall(acc, do_save),
+                "pool_put": lambda: wall(acc, do_put),
             }
-            if dev.type != "cpu":
-                reads["h2d"] = lambda: events(dev, lambda: dev_rows.copy_(a.view(n, value), non_blocking=True))
-                writes["d2h"] = lambda: events(dev, lambda: a.view(n, value).copy_(dev_rows, non_blocking=True))
+            if acc.is_async:
+                reads["h2d"] = lambda: events(lambda: dev_rows.copy_(a.view(n, value), non_blocking=True))
+                writes["d2h"] = lambda: events(lambda: a.view(n, value).copy_(dev_rows, non_blocking=True))
                 reads["scatter"] = lambda: events(
-                    dev, lambda: self.layout.scatter(dev_rows[:, HEADER_BYTES:], ids_dev, unit.layers))
+                    lambda: self.layout.scatter(dev_rows[:, HEADER_BYTES:], ids_dev, unit.layers))
                 writes["gather"] = lambda: events(
-                    dev, lambda: self.layout.gather(ids_src_dev, unit.layers, dev_rows[:, HEADER_BYTES:]))
+                    lambda: self.layout.gather(ids_src_dev, unit.layers, dev_rows[:, HEADER_BYTES:]))
             samples: dict[str, list[float]] = {k: [] for k in (*reads, *writes)}
             evictions0 = None
             for rep in range(reps):
@@ -310,7 +238,7 @@ class Bench:
             "pool_get_GBps": gbps(batch, med["pool_get"]), "pool_put_GBps": gbps(batch, med["pool_put"]),
             "host_memcpy_GBps": gbps(batch, med["host_memcpy"]), "memmove_1t_GBps": gbps(batch, med["memmove_1t"]),
         })
-        if dev.type != "cpu":
+        if acc.is_async:
             row.update({
                 "h2d_GBps": gbps(batch, med["h2d"]), "d2h_GBps": gbps(batch, med["d2h"]),
                 "scatter_GBps": gbps(n * payload, med["scatter"]), "gather_GBps": gbps(n * payload, med["gather"]),
@@ -325,17 +253,12 @@ class Bench:
 
     def _check(self, unit: Unit, src: list[int], dst: list[int]) -> str:
         """The first (warm-up) load put the saved blocks' bytes into the other block ids."""
-        s, d = torch.tensor(src, device=self.dev), torch.tensor(dst, device=self.dev)
+        s, d = torch.tensor(src, device=self.acc.device), torch.tensor(dst, device=self.acc.device)
         for i in unit.layers:
             t = self.caches[self.names[i]]
             if not torch.equal(t.index_select(1, s).view(torch.int16), t.index_select(1, d).view(torch.int16)):
                 return f"FAILED at layer {i}"
         return "ok"
-
-
-def _shm_free() -> int:
-    st = os.statvfs(host_pool.SHM_DIR)
-    return st.f_bavail * st.f_frsize
 
 
 # ---------------------------------------------------------------- output
@@ -353,8 +276,6 @@ def print_tables(rows: list[dict]) -> None:
         [[r["case"], str(r["blocks"]), f"{r['payload_bytes'] / MiB:g}", fmt(r, "save_GBps"), fmt(r, "load_GBps"),
           fmt(r, "pool_get_GBps"), fmt(r, "pool_put_GBps"), fmt(r, "h2d_GBps"), fmt(r, "d2h_GBps"),
           fmt(r, "host_memcpy_GBps"), fmt(r, "load_over_h2d", ".2f")] for r in done])
-    print("\nStages (median ms; load = pool get + H2D + scatter, save = gather + D2H + pool put, run one after "
-          "the other inside BlockIO)\n")
     def ms(r: dict, k: str) -> str:
         return "n/a" if k not in r["median_s"] else f"{r['median_s'][k] * 1e3:.2f}"
 
@@ -369,7 +290,9 @@ def print_tables(rows: list[dict]) -> None:
           ms(r, "save"), ms(r, "gather"), ms(r, "d2h"), ms(r, "pool_put"),
           sum_ms(r, "save_stage_sum_s"),
           fmt(r, "memmove_1t_GBps"), fmt(r, "scatter_GBps"), fmt(r, "gather_GBps"),
-          "yes" if r["pool_full"] else "no", r["check"]] for r in done])
+          "yes" if r["pool_full"] else "no", r["check"]] for r in done],
+        title="Stages (median ms; load = pool get + H2D + scatter, save = gather + D2H + pool put, run one after "
+              "the other inside BlockIO)")
     for r in rows:
         if "skipped" in r:
             print(f"\nskipped: {r['case']} x {r['blocks']}: {r['skipped']}")
@@ -396,9 +319,8 @@ def conclusion(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="auto", help="auto (the current accelerator, else cpu), cuda, cpu, ...")
-    parser.add_argument("--quick", action="store_true", help="tiny model and batches (a CPU smoke test)")
+    parser = arguments(__doc__, "block_io_device")
+    parser.add_argument("--device", default="auto", help=Accel.HELP)
     parser.add_argument("--blocks", default="64,256", help="batch sizes (blocks per call)")
     parser.add_argument("--layer", type=int, default=0, help="the layer of the one-layer unit")
     parser.add_argument("--repeats", type=int, default=7)
@@ -406,35 +328,29 @@ def main() -> int:
     parser.add_argument("--pool-gib", type=float, default=4.0, help="largest pool (in /dev/shm) per case")
     parser.add_argument("--shm-dir", type=Path, default=None,
                         help=f"put the pool in this tmpfs instead of {host_pool.SHM_DIR} (where that one is small)")
-    parser.add_argument("--json", type=Path, default=RESULTS, help=f"results JSON (default {RESULTS})")
     args = parser.parse_args()
-    dev = resolve(args.device)
+    acc = Accel(args.device)
     if args.shm_dir is not None:
-        host_pool.SHM_DIR = args.shm_dir  # read at call time by every pool path, lock and space check
+        use_pool_dir(args.shm_dir)
     m = TINY if args.quick else LLAMA3_8B
     if args.quick:
         args.blocks, args.repeats, args.warmup = "8,32", min(args.repeats, 3), 1
     sizes = [int(b) for b in args.blocks.split(",") if b]
     started = time.perf_counter()
-    print(f"{m.name} on {describe(dev)}, torch {torch.__version__}; {host_pool.SHM_DIR} free "
-          f"{_shm_free() / GiB:.1f} GiB; torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs", flush=True)
-    bench = Bench(dev, m, max(sizes), args)
+    print(f"{m.name} on {acc.describe()}, torch {torch.__version__}; {host_pool.SHM_DIR} free "
+          f"{free_bytes() / GiB:.1f} GiB; torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs", flush=True)
+    bench = Bench(acc, m, max(sizes), args)
     rows = [bench.run(Case(u, n)) for u in ("whole block", "one layer") for n in sizes]
-    elapsed = time.perf_counter() - started
     print(f"\nBlockIO + LocalBackend, {m.name} ({m.layers} layers, K and V planes of {m.plane_bytes // KiB} KiB per "
-          f"block per layer; one-layer unit: layer {args.layer}), {describe(dev)}, torch {torch.__version__}, "
+          f"block per layer; one-layer unit: layer {args.layer}), {acc.describe()}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; median of {args.repeats} after {args.warmup} warm-up; GB/s = 1e9 B/s; "
           "save/load on payload bytes, ceilings on the bytes they copy (payload + 64-byte headers)\n")
     print_tables(rows)
     line = conclusion(rows)
     print("\n" + line)
-    out = {"script": "block_io_device", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
-           "device": describe(dev), "torch": torch.__version__, "model": asdict(m), "elapsed_s": elapsed,
-           "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
-           "args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows, "conclusion": line}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1, default=str))
-    print(f"\nwrote {args.json} ({elapsed:.0f}s)")
+    write_results(args.json, "block_io_device", started, device=acc.describe(), torch=torch.__version__,
+                  model=asdict(m), torch_threads=torch.get_num_threads(),
+                  args={k: v for k, v in vars(args).items() if k != "json"}, rows=rows, conclusion=line)
     return 0
 
 

@@ -92,7 +92,7 @@ code does differently from the idealised pipeline above (see
 
 The table also gives, per step, the forward thread's host time in the real
 code (medians): gathers for loads, scatters into the host copy, waits on
-events, and how many ``end_step`` calls the full staging ring forced mid-step.
+events (a full staging ring waits there too).
 Rows whose host copy exceeds ``--real-max-gib`` (16) are skipped for the real
 code (the two large decode rows: 64 GiB); S > 2 runs only where the host copy
 is at most ``--real-extra-max-gib`` (2.5). The real modes run in the first
@@ -113,8 +113,6 @@ Results JSON goes to ``benchmarks/results/dynamic_buffer.json`` unless ``--json`
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -126,33 +124,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_aio.connector.layer_buffer import LayerBuffer
+from vllm_aio.connector.layer_buffer import LayerBuffer  # noqa: E402
 from vllm_aio.connector.metadata import BufferStep  # noqa: E402
 from _accel import Accel, copy_bandwidth, timed  # noqa: E402  (benchmarks/ is on sys.path)
+from _model import DTYPE, LLAMA3_8B, TINY, Model, Weights, attend_grouped, finish, project, random_rows  # noqa: E402
+from _report import arguments, print_markdown, write_results  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "dynamic_buffer.json"
 MiB, GiB = 1 << 20, 1 << 30
-DTYPE = torch.bfloat16
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    block_size: int = 16
-
-    @property
-    def block_bytes(self) -> int:  # K and V of one block of one layer
-        return 2 * self.block_size * self.kv_heads * self.head_dim * DTYPE.itemsize
-
-
-LLAMA3_8B = Model("Llama-3-8B", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336)
-TINY = Model("tiny (--quick)", layers=4, hidden=256, heads=8, kv_heads=2, head_dim=32, intermediate=512)
 
 
 @dataclass(frozen=True)
@@ -187,23 +165,10 @@ def bidirectional_bandwidth(acc: Accel, host: torch.Tensor, nbytes: int, streams
             acc.wait(acc.current_stream(), e)
 
     t = statistics.median([timed(acc, enqueue) for _ in range(reps + 1)][1:])
-    del a, b
     return 2 * nbytes / (t * 1e-3) / 1e9
 
 
 # ---------------------------------------------------------------- the synthetic layer
-
-class Weights:
-    def __init__(self, m: Model, device: torch.device, gen: torch.Generator) -> None:
-        def w(rows: int, cols: int) -> torch.Tensor:
-            return (torch.randn(rows, cols, generator=gen) * rows ** -0.5).to(device, DTYPE)
-
-        self.qkv = w(m.hidden, (m.heads + 2 * m.kv_heads) * m.head_dim)
-        self.o = w(m.heads * m.head_dim, m.hidden)
-        self.gate_up = w(m.hidden, 2 * m.intermediate)
-        self.down = w(m.intermediate, m.hidden)
-        self.norm = torch.ones(m.hidden, dtype=DTYPE, device=device)
-
 
 def gathered(m: Model, buf: torch.Tensor, ids: torch.Tensor, groups: int) -> torch.Tensor:
     """Blocks ``ids`` (``groups`` sequences of equal length, in order) as ``[2, groups, kv_heads, tokens, dim]``."""
@@ -220,9 +185,7 @@ def prefill_attention(m: Model, q: torch.Tensor, kv: torch.Tensor, prefix: int) 
     o = o.permute(2, 1, 0, 3).reshape(n, -1)
     if prefix:
         old = kv[:, :, :, :prefix].contiguous()
-        qm = q4.permute(1, 2, 0, 3).reshape(1, m.kv_heads, g * n, m.head_dim)
-        o1 = F.scaled_dot_product_attention(qm, old[0], old[1])
-        o = o + o1.reshape(m.kv_heads, g, n, m.head_dim).permute(2, 0, 1, 3).reshape(n, -1)
+        o = o + attend_grouped(m, q, old[0], old[1])
     return o
 
 
@@ -272,9 +235,7 @@ class Step:
     def forward_layer(self, w: Weights, x: torch.Tensor, layer: int, buf: torch.Tensor,
                       check: torch.Tensor | None) -> torch.Tensor:
         m, b = self.m, self.batch
-        hd, kvd = m.heads * m.head_dim, m.kv_heads * m.head_dim
-        qkv = F.rms_norm(x, (m.hidden,), w.norm) @ w.qkv
-        q, k, v = qkv[:, :hd], qkv[:, hd:hd + kvd], qkv[:, hd + kvd:]
+        q, k, v = project(m, w, x)
         if check is not None:  # what this layer loaded must be its host region's constant
             if self.n_load:
                 check[layer] = buf.index_select(0, self.load_ids).float().mean()
@@ -285,15 +246,13 @@ class Step:
             kv = gathered(m, buf, self.all_ids, b.reqs)
             q = q.reshape(b.reqs, m.kv_heads, -1, m.head_dim).contiguous()
             o = F.scaled_dot_product_attention(q, kv[0], kv[1])
-            o = o.reshape(b.reqs, hd)
+            o = o.reshape(b.reqs, m.heads * m.head_dim)
         else:
             shape = (-1, m.block_size, m.kv_heads, m.head_dim)
             buf.index_copy_(0, self.new_ids, torch.stack((k.reshape(shape), v.reshape(shape)), dim=1))
             o = torch.cat([prefill_attention(m, q[r * b.new:(r + 1) * b.new], gathered(m, buf, ids, 1), b.context)
                            for r, ids in enumerate(self.req_ids)])
-        x = x + o @ w.o
-        gu = F.rms_norm(x, (m.hidden,), w.norm) @ w.gate_up
-        return x + (F.silu(gu[:, : m.intermediate]) * gu[:, m.intermediate:]) @ w.down
+        return finish(m, w, x, o)
 
     def load(self, layer: int, buf: torch.Tensor, done, after=None) -> None:
         acc = self.acc
@@ -379,8 +338,7 @@ class RealBuffer:
     """vllm_aio's own LayerBuffer for one batch and one S, driven as the worker drives it.
 
     The forward thread's host time inside LayerBuffer is measured by wrapping, on this instance only,
-    its host layout's gather/scatter, its device's synchronize and its end_step (counted when the full
-    staging ring forces one mid-step)."""
+    its host layout's gather/scatter and its device's synchronize (LayerBuffer takes no timing hook)."""
 
     def __init__(self, step: Step, s: int, staging_bytes: int, resident: str) -> None:
         self.step, self.s = step, s
@@ -398,19 +356,10 @@ class RealBuffer:
         self.bstep = BufferStep(resident=ids.cpu().tolist(), written=step.new_ids.cpu().tolist())
         self.load_blocks = len(self.bstep.resident)
         self.stats: dict[str, float] = {}
-        self._in_step = False
         lb = self.lb
         lb._host_layout.gather_planes = self._timing("gather_ms", lb._host_layout.gather_planes)
         lb._host_layout.scatter_planes = self._timing("scatter_ms", lb._host_layout.scatter_planes)
         lb.device.synchronize = self._timing("wait_ms", lb.device.synchronize)
-        end_step = lb.end_step
-
-        def counted_end_step() -> None:
-            if self._in_step:
-                self.stats["mid_step_end_steps"] += 1
-            end_step()
-
-        lb.end_step = counted_end_step
 
     def _timing(self, key: str, fn):
         def wrapper(*args, **kwargs):
@@ -428,10 +377,9 @@ class RealBuffer:
     def run(self, w: Weights, x0: torch.Tensor, check: torch.Tensor | None = None) -> tuple[float, dict]:
         """One timed step through LayerBuffer; returns (ms, forward-thread host stats of the step)."""
         step, lb, L = self.step, self.lb, self.step.m.layers
-        self.stats = {"gather_ms": 0.0, "scatter_ms": 0.0, "wait_ms": 0.0, "mid_step_end_steps": 0}
+        self.stats = {"gather_ms": 0.0, "scatter_ms": 0.0, "wait_ms": 0.0}
 
         def enqueue(start) -> None:
-            self._in_step = True
             lb.begin_step(self.bstep)  # loads layers 0 .. S-1, then before_layer(0)
             x = x0
             for layer in range(L):
@@ -439,7 +387,6 @@ class RealBuffer:
                 lb.layer_done(layer)
                 if layer + 1 < L:
                     lb.before_layer(layer + 1)
-            self._in_step = False
             lb.end_step()
 
         with step.acc.attention_backends():
@@ -491,7 +438,7 @@ def tokens_of(b: Batch) -> int:
 def measure(acc: Accel, m: Model, b: Batch, host_pool: torch.Tensor, w: Weights, args, bw: dict,
             gen: torch.Generator) -> dict:
     step = Step(acc, m, b, host_pool, max(args.s_values), gen)
-    x0 = torch.randn(tokens_of(b), m.hidden, generator=gen).to(acc.device, DTYPE)
+    x0 = random_rows(m, tokens_of(b), gen, acc.device)
     real_bytes = real_host_bytes(m, b)
     skip = None
     if real_bytes > args.real_max_gib * GiB:
@@ -559,7 +506,7 @@ def run_checks(acc: Accel, m: Model, batches: list[Batch], host_pool: torch.Tens
     out = {}
     for b in batches:
         step = Step(acc, m, b, host_pool, max(args.s_values), gen)
-        x0 = torch.randn(tokens_of(b), m.hidden, generator=gen).to(acc.device, DTYPE)
+        x0 = random_rows(m, tokens_of(b), gen, acc.device)
         out[f"{b.phase} {b.label()}"] = step.check(w, x0, args.s_values)
         for s in args.real_s_values if step.n_load or args.real_resident == "every" else []:
             real = RealBuffer(step, s, args.real_staging_bytes, args.real_resident)
@@ -573,57 +520,41 @@ def print_table(rows: list[dict], s_values: list[int]) -> None:
     head = ["phase", "batch", "load MiB/layer", "write-back MiB/layer", "c / t / w ms per layer", "resident ms",
             "transfer ms", "ideal ms"] + [f"S={s} ms" for s in s_values] + \
            [f"S={s}/ideal" for s in s_values] + ["S=2/resident", "transfer GB/s"]
-    table = [head]
-    for r in rows:
-        table.append([
-            r["phase"], r["batch"], f"{r['load_MiB_per_layer']:g}", f"{r['writeback_MiB_per_layer']:g}",
-            f"{r['c_ms_per_layer']:.2f} / {r['t_ms_per_layer']:.2f} / {r['w_ms_per_layer']:.2f}",
-            f"{r['resident_ms']:.1f}", f"{r['transfer_ms']:.1f}", f"{r['ideal_ms']:.1f}",
-        ] + [f"{r[f'S{s}_ms']:.1f}" for s in s_values] + [f"{r[f'S{s}_over_ideal']:.3f}" for s in s_values]
-          + [f"{r['S2_over_resident']:.2f}", f"{r['transfer_GBps']:.1f}"])
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    for i, row in enumerate(table):
-        print("| " + " | ".join(c.ljust(wd) if j < 2 else c.rjust(wd)
-                                for j, (c, wd) in enumerate(zip(row, widths))) + " |")
-        if i == 0:
-            print("|" + "|".join(("-" * (wd + 2)) if j < 2 else ("-" * (wd + 1) + ":")
-                                 for j, wd in enumerate(widths)) + "|")
+    print_markdown(head, [[
+        r["phase"], r["batch"], f"{r['load_MiB_per_layer']:g}", f"{r['writeback_MiB_per_layer']:g}",
+        f"{r['c_ms_per_layer']:.2f} / {r['t_ms_per_layer']:.2f} / {r['w_ms_per_layer']:.2f}",
+        f"{r['resident_ms']:.1f}", f"{r['transfer_ms']:.1f}", f"{r['ideal_ms']:.1f}",
+    ] + [f"{r[f'S{s}_ms']:.1f}" for s in s_values] + [f"{r[f'S{s}_over_ideal']:.3f}" for s in s_values]
+        + [f"{r['S2_over_resident']:.2f}", f"{r['transfer_GBps']:.1f}"] for r in rows], left=2)
 
 
 def print_real_table(rows: list[dict], real_s: list[int]) -> None:
     """The connector's LayerBuffer next to the idealised pipeline (same batches, same run)."""
+    others = [s for s in real_s if s != 2]
     head = ["phase", "batch", "load MiB/layer (idealised / vllm_aio)", "resident ms", "ideal ms",
-            "S=2 ms (idealised)", "vllm_aio S=2 ms",
-            "vllm_aio S=2/ideal", "vllm_aio S=2/idealised S=2"] + \
-           [f"vllm_aio S={s} ms" for s in real_s if s != 2] + \
-           ["host copy GiB (pinned)", "fwd-thread host ms/step: gather / scatter / wait", "mid-step end_step"]
-    table = [head]
+            "S=2 ms (idealised)", "vllm_aio S=2 ms", "vllm_aio S=2/ideal", "vllm_aio S=2/idealised S=2"] + \
+           [f"vllm_aio S={s} ms" for s in others] + \
+           ["host copy GiB (pinned)", "fwd-thread host ms/step: gather / scatter / wait"]
+    body = []
     for r in rows:
         real = r["real"]
         if "S2" not in real:
-            table.append([r["phase"], r["batch"], f"{r['load_MiB_per_layer']:g} / -", f"{r['resident_ms']:.1f}",
-                          f"{r['ideal_ms']:.1f}", f"{r['S2_ms']:.1f}", "-", "-", "-"] +
-                         ["-" for s in real_s if s != 2] + [f"{real['host_copy_GiB']:.3g} (skipped)", "-", "-"])
+            body.append([r["phase"], r["batch"], f"{r['load_MiB_per_layer']:g} / -", f"{r['resident_ms']:.1f}",
+                         f"{r['ideal_ms']:.1f}", f"{r['S2_ms']:.1f}", "-", "-", "-"] +
+                        ["-" for _ in others] + [f"{real['host_copy_GiB']:.3g} (skipped)", "-"])
             continue
         s2 = real["S2"]
         h = s2["host_ms_per_step"]
         pinned = s2["host_pinned_GiB"] if s2["host_pinned_GiB"] is not None else real["host_copy_pow2_GiB"]
-        table.append([
+        body.append([
             r["phase"], r["batch"], f"{r['load_MiB_per_layer']:g} / {s2['load_MiB_per_layer']:g}",
             f"{r['resident_ms']:.1f}", f"{r['ideal_ms']:.1f}", f"{r['S2_ms']:.1f}", f"{s2['ms']:.1f}",
             f"{s2['over_ideal']:.3f}", f"{s2['over_idealised_S']:.2f}",
-        ] + [f"{real[f'S{s}']['ms']:.1f}" if f"S{s}" in real else "-" for s in real_s if s != 2] + [
+        ] + [f"{real[f'S{s}']['ms']:.1f}" if f"S{s}" in real else "-" for s in others] + [
             f"{real['host_copy_GiB']:.3g} ({pinned:.3g})",
             f"{h['gather_ms']:.1f} / {h['scatter_ms']:.1f} / {h['wait_ms']:.1f}",
-            f"{h['mid_step_end_steps']:g}",
         ])
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    for i, row in enumerate(table):
-        print("| " + " | ".join(c.ljust(wd) if j < 2 else c.rjust(wd)
-                                for j, (c, wd) in enumerate(zip(row, widths))) + " |")
-        if i == 0:
-            print("|" + "|".join(("-" * (wd + 2)) if j < 2 else ("-" * (wd + 1) + ":")
-                                 for j, wd in enumerate(widths)) + "|")
+    print_markdown(head, body, left=2)
 
 
 def parse_batches(text: str, phase: str) -> list[Batch]:
@@ -640,9 +571,8 @@ def parse_batches(text: str, phase: str) -> list[Batch]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="auto", help="auto (the current accelerator, else cpu), cuda, cpu, ...")
-    parser.add_argument("--quick", action="store_true", help="tiny model and sizes (a CPU smoke test)")
+    parser = arguments(__doc__, "dynamic_buffer")
+    parser.add_argument("--device", default="auto", help=Accel.HELP)
     parser.add_argument("--prefill", default="1x8192,4x8192,1x8192+32768,1x2048+32768,1x1024+16384,4x512+16384",
                         help="prefill batches: REQSxNEW[+CACHED_PREFIX], comma-separated")
     parser.add_argument("--decode", default="32x2048,256x2048,32x16384", help="decode batches: REQSxCONTEXT")
@@ -664,7 +594,6 @@ def main() -> int:
                         help="BufferStep.resident: the blocks holding earlier tokens (what the scheduler half "
                              "sends, = the idealised load set), or every block of the request (the stress case: "
                              "prefill also loads the blocks it then overwrites)")
-    parser.add_argument("--json", type=Path, default=RESULTS, help=f"results JSON (default {RESULTS})")
     args = parser.parse_args()
     acc = Accel(args.device)
     m = TINY if args.quick else LLAMA3_8B
@@ -702,7 +631,6 @@ def main() -> int:
               + " ".join(f"S={s} {r[f'S{s}_ms']:.1f}" for s in args.s_values)
               + "".join(f" vllm_aio S={s} {r['real'][f'S{s}']['ms']:.1f}" for s in args.real_s_values
                         if f"S{s}" in r["real"]) + " ms", flush=True)
-    elapsed = time.perf_counter() - started
     print(f"\n{m.name} ({m.layers} layers, {m.kv_heads} KV heads x {m.head_dim}, bf16, block {m.block_size}: "
           f"{m.block_bytes // 1024} KiB per block per layer), {acc.describe()}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; per-step medians ({args.repeats} prefill, {args.decode_repeats} decode "
@@ -719,16 +647,11 @@ def main() -> int:
              else "every block of the request") + "; "
           f"host copy = L x blocks x {m.block_bytes // 1024} KiB (in parentheses: page-locked bytes, "
           f"registered exactly); forward-thread host ms per step (median) inside "
-          f"LayerBuffer: host gathers for loads / scatters into the host copy / waits on events; mid-step "
-          f"end_step = forced by a full staging ring\n")
+          f"LayerBuffer: host gathers for loads / scatters into the host copy / waits on events\n")
     print_real_table(rows, args.real_s_values)
-    out = {"script": "dynamic_buffer", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
-           "device": acc.describe(), "torch": torch.__version__, "model": asdict(m), "elapsed_s": elapsed,
-           "bandwidth": bw, "checks": check, "args": {k: v for k, v in vars(args).items() if k != "json"},
-           "rows": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1, default=str))
-    print(f"\nwrote {args.json} ({elapsed:.0f}s)")
+    write_results(args.json, "dynamic_buffer", started, device=acc.describe(), torch=torch.__version__,
+                  model=asdict(m), bandwidth=bw, checks=check,
+                  args={k: v for k, v in vars(args).items() if k != "json"}, rows=rows)
     return 0
 
 

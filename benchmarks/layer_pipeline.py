@@ -61,7 +61,8 @@ region's constant (a missed or early wait reads zeros or another layer's KV).
 The connector's real code, in the same run (third table; the ``--prefix``
 sweep at ``--aio-ratios``, default 0.5, 1, 2): the prefix's blocks are first
 put into an embedded pool (``LocalBackend`` in /dev/shm, sized for the
-prefix's L x blocks one-layer values) with ``BlockIO.save`` of every layer
+prefix's L x blocks one-layer values; ``BlockIO`` built by ``open_block_io``
+as the worker builds it) with ``BlockIO.save`` of every layer
 unit ``Unit((l,), l)`` (from the same device caches, after a load of the host
 regions, so the check above applies). Modes, interleaved with the others:
 
@@ -106,88 +107,42 @@ Results JSON goes to ``benchmarks/results/layer_pipeline.json`` unless ``--json`
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_aio.backends import Status  # noqa: E402
 from vllm_aio.backends.local import LocalBackend  # noqa: E402
-from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff  # noqa: E402
-from vllm_aio.connector.block_layout import BlockLayout  # noqa: E402
-from vllm_aio.connector.staging import StagingBuffer  # noqa: E402
+from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff, open_block_io  # noqa: E402
 from vllm_aio.connector.transfer import TransferThread  # noqa: E402
-from vllm_aio.device import Device  # noqa: E402
-from vllm_aio.pool import host_pool  # noqa: E402
-from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader  # noqa: E402
+from vllm_aio.pool.entry import HEADER_BYTES  # noqa: E402
 from vllm_aio.pool.keys import Unit  # noqa: E402
-from _accel import Accel, copy_bandwidth, print_markdown, timed  # noqa: E402  (benchmarks/ is on sys.path)
+from _accel import Accel, copy_bandwidth, timed  # noqa: E402  (benchmarks/ is on sys.path)
+from _model import DTYPE, LLAMA3_8B, TINY, Model, Weights, attend_grouped, finish, project, random_rows  # noqa: E402
+from _pool import header, pool_dir_for  # noqa: E402
+from _report import arguments, print_markdown, write_results  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "layer_pipeline.json"
 MiB, GiB = 1 << 20, 1 << 30
-DTYPE = torch.bfloat16
 LAYERWISE = ("layerwise", "layerwise+sep", "layerwise+interleave")
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    block_size: int = 16
-
-    @property
-    def block_bytes(self) -> int:  # K and V of one block of one layer
-        return 2 * self.block_size * self.kv_heads * self.head_dim * DTYPE.itemsize
-
-
-LLAMA3_8B = Model("Llama-3-8B", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336)
-TINY = Model("tiny (--quick)", layers=4, hidden=256, heads=8, kv_heads=2, head_dim=32, intermediate=512)
-
-
-# ---------------------------------------------------------------- the synthetic layer
-
-class Weights:
-    def __init__(self, m: Model, device: torch.device, gen: torch.Generator) -> None:
-        def w(rows: int, cols: int) -> torch.Tensor:
-            return (torch.randn(rows, cols, generator=gen) * rows ** -0.5).to(device, DTYPE)
-
-        self.qkv = w(m.hidden, (m.heads + 2 * m.kv_heads) * m.head_dim)
-        self.o = w(m.heads * m.head_dim, m.hidden)
-        self.gate_up = w(m.hidden, 2 * m.intermediate)
-        self.down = w(m.intermediate, m.hidden)
-        self.norm = torch.ones(m.hidden, dtype=DTYPE, device=device)
 
 
 def forward_layer(m: Model, w: Weights, x: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
                   check: torch.Tensor | None = None, layer: int = 0) -> torch.Tensor:
     """One layer for the M rows of ``x``; attention over the prefix blocks ``block_ids`` of ``cache``."""
-    tokens, g = x.shape[0], m.heads // m.kv_heads
-    q = (F.rms_norm(x, (m.hidden,), w.norm) @ w.qkv)[:, : m.heads * m.head_dim]
-    q = q.reshape(tokens, m.kv_heads, g, m.head_dim).permute(1, 2, 0, 3).reshape(1, m.kv_heads, g * tokens, -1)
+    q = project(m, w, x)[0]
     kv = cache.index_select(0, block_ids)  # [blocks, 2, block_size, kv_heads, head_dim]
     if check is not None:
         check[layer] = kv.float().mean()
     kv = kv.permute(1, 3, 0, 2, 4).reshape(2, 1, m.kv_heads, -1, m.head_dim)
-    o = F.scaled_dot_product_attention(q, kv[0], kv[1])
-    x = x + o.reshape(m.kv_heads, g, tokens, m.head_dim).permute(2, 0, 1, 3).reshape(tokens, -1) @ w.o
-    gu = F.rms_norm(x, (m.hidden,), w.norm) @ w.gate_up
-    return x + (F.silu(gu[:, : m.intermediate]) * gu[:, m.intermediate:]) @ w.down
+    return finish(m, w, x, attend_grouped(m, q, kv[0], kv[1]))
 
 
 # ---------------------------------------------------------------- one prefix
@@ -312,34 +267,19 @@ class AioPath:
     AIO_MODES = ("vllm_aio load", "vllm_aio bulk", "vllm_aio layerwise")
 
     def __init__(self, prefix: Prefix, w: Weights, args) -> None:
-        m, acc = prefix.m, prefix.acc
+        m = prefix.m
         self.prefix, self.prefetch = prefix, args.aio_prefetch
-        names = [f"layer.{i}" for i in range(m.layers)]
-        num_blocks = prefix.caches[0].shape[0]
-        self.layout = BlockLayout(dict(zip(names, prefix.caches)), names, num_blocks)
-        dev = Device(acc.device)
+        self.names = [f"layer.{i}" for i in range(m.layers)]
         self.units = [Unit((i,), i) for i in range(m.layers)]
-        value = HEADER_BYTES + self.layout.payload_bytes((0,))
+        value = HEADER_BYTES + m.block_bytes  # one block of one layer
         slots = m.layers * prefix.blocks + 64  # every layer's values, never an eviction
-        self.shm = _pool_dir(slots * value)
-        self.backend = LocalBackend(f"bench-lp-{uuid.uuid4().hex[:8]}", slots * value, value, seal=True)
-        self.header = EntryHeader("0123456789abcdef", "pp0.dcp0.h0", -1, m.block_size, 0)
+        self.shm = pool_dir_for(slots * value)
+        self.backend = TimedGets(LocalBackend(f"bench-lp-{uuid.uuid4().hex[:8]}", slots * value, value, seal=True))
         staging = max(2 * prefix.blocks * value, args.aio_staging_mib * MiB)  # one layer batch, twice over
-        self.io = BlockIO(self.layout, self.backend, self.header, StagingBuffer(dev, staging),
-                          StagingBuffer(dev, staging), 30.0)
+        self.io = self._open(staging, 30.0)
+        assert self.io.value_bytes(self.units[0]) == value
         self.refs = [BlockRef(b, f"p{i}".encode()) for i, b in enumerate(prefix.block_list)]
         self.recv = TransferThread("bench-recv")
-        self.get_ms: list[float] = []
-        batch_get = self.backend.batch_get
-
-        def timed_get(keys, segments):  # on the transfer thread
-            t0 = time.perf_counter()
-            try:
-                return batch_get(keys, segments)
-            finally:
-                self.get_ms.append((time.perf_counter() - t0) * 1e3)
-
-        self.backend.batch_get = timed_get
         self.wait_ms = 0.0
         self.failed = 0
         # The pool gets every layer of the prefix: the host regions' constants, loaded, then saved per layer.
@@ -351,6 +291,12 @@ class AioPath:
                 raise SystemExit(f"vllm_aio: save of layer {unit.tag} failed: {sorted(set(statuses), key=str)}")
         self.save_s = time.perf_counter() - t0
         self.staging_bytes, self.value_bytes, self.pool_bytes = staging, value, slots * value
+
+    def _open(self, staging_bytes: int, timeout: float) -> BlockIO:
+        """A BlockIO over the prefix's device caches, built as the worker builds it."""
+        caches = dict(zip(self.names, self.prefix.caches))
+        return open_block_io(caches, self.names, self.prefix.caches[0].shape[0], self.backend,
+                             header(self.prefix.m.block_size), staging_bytes, timeout)
 
     def _load(self, unit: Unit) -> tuple[list[Status], torch.Event | None]:
         return self.io.load(self.refs, unit)
@@ -366,7 +312,7 @@ class AioPath:
     def run(self, mode: str, w: Weights, x0: torch.Tensor | None, check: torch.Tensor | None = None) -> float:
         prefix, L = self.prefix, self.prefix.m.layers
         acc = prefix.acc
-        self.wait_ms, self.get_ms = 0.0, []
+        self.wait_ms, self.backend.ms = 0.0, []
 
         def enqueue(start) -> None:
             if mode != "vllm_aio layerwise":  # load / bulk: every layer's load, then (bulk) the forward
@@ -414,33 +360,35 @@ class AioPath:
         """Whole blocks (every layer in one value) of the prefix through the default 256 MiB staging."""
         if self.io.device.is_host:
             return "not run on the CPU (its loads bypass staging)"
-        small = StagingBuffer(self.io.device, 256 * MiB)
-        io = BlockIO(self.layout, self.backend, self.header, small, small, 1.0)
+        io = self._open(256 * MiB, 1.0)
         every = Unit(tuple(range(self.prefix.m.layers)), None)
         statuses, copied = io.load(self.refs, every)
         io.device.synchronize(copied)
         counts = {st.value: statuses.count(st) for st in set(statuses)}
-        del io, small
-        return (f"{len(self.refs)} values of {io_value(self.layout, every) / MiB:.2f} MiB "
-                f"({len(self.refs) * io_value(self.layout, every) / GiB:.2f} GiB) -> {counts}")
+        value = io.value_bytes(every)
+        return f"{len(self.refs)} values of {value / MiB:.2f} MiB ({len(self.refs) * value / GiB:.2f} GiB) -> {counts}"
 
     def close(self) -> None:
         self.recv.close()
         self.backend.close()
 
 
-def io_value(layout: BlockLayout, unit: Unit) -> int:
-    return HEADER_BYTES + layout.payload_bytes(unit.layers)
+class TimedGets:
+    """A backend whose ``batch_get`` calls are timed (ms each, appended to ``ms``); the rest is the backend's."""
 
+    def __init__(self, backend) -> None:
+        self._backend = backend
+        self.ms: list[float] = []
 
-def _pool_dir(need: int) -> Path:
-    """/dev/shm when it has room for the pool, else the temp dir (a disk-backed mapping: noted in the output)."""
-    for d in (host_pool.SHM_DIR, Path(tempfile.gettempdir())):
-        st = os.statvfs(d)
-        if st.f_bavail * st.f_frsize > need * 1.1 + 64 * MiB:
-            host_pool.SHM_DIR = d  # read at call time by every pool path, lock and space check
-            return d
-    raise SystemExit(f"no room for a {need / GiB:.2f} GiB pool in /dev/shm nor {tempfile.gettempdir()}")
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
+
+    def batch_get(self, keys, segments):  # on the transfer thread
+        t0 = time.perf_counter()
+        try:
+            return self._backend.batch_get(keys, segments)
+        finally:
+            self.ms.append((time.perf_counter() - t0) * 1e3)
 
 
 # ---------------------------------------------------------------- measuring
@@ -454,20 +402,22 @@ def fit_compute(prefix: Prefix, w: Weights, sizes: tuple[int, int], gen: torch.G
     """compute(M) ~ a + b*M (ms), from the forward timed at two sizes of M."""
     points = []
     for rows in sizes:
-        x0 = torch.randn(rows, prefix.m.hidden, generator=gen).to(prefix.acc.device, DTYPE)
-        points.append(median_runs(lambda: prefix.run("compute", w, x0), 1, 3))
+        x0 = random_rows(prefix.m, rows, gen, prefix.acc.device)
+        points.append(median_runs(partial(prefix.run, "compute", w, x0), 1, 3))
     b = (points[1] - points[0]) / (sizes[1] - sizes[0])
     return points[0] - b * sizes[0], max(b, 1e-9)
 
 
-def pick_rows(target_ms: float, a: float, b: float, align: int) -> int:
-    return max(align, int(round((target_ms - a) / b / align)) * align)
+def pick_rows(target_ms: float, a: float, b: float, align: int, most: int | None) -> int:
+    """M for a forward of ``target_ms``, a multiple of ``align``, at most ``most`` (--quick: bounded time)."""
+    rows = max(align, int(round((target_ms - a) / b / align)) * align)
+    return min(rows, most) if most else rows
 
 
 def measure(prefix: Prefix, w: Weights, rows: int, ratio: float, args, gen: torch.Generator,
             aio: AioPath | None = None) -> dict:
     m, L = prefix.m, prefix.m.layers
-    x0 = torch.randn(rows, m.hidden, generator=gen).to(prefix.acc.device, DTYPE)
+    x0 = random_rows(m, rows, gen, prefix.acc.device)
     modes = ("compute", "load", "bulk") + LAYERWISE + ("load+sep",) + (AioPath.AIO_MODES if aio else ())
     samples: dict[str, list[float]] = {mode: [] for mode in modes}
     aio_stats: dict[str, list[tuple[float, float, int]]] = {mode: [] for mode in AioPath.AIO_MODES}
@@ -477,7 +427,7 @@ def measure(prefix: Prefix, w: Weights, rows: int, ratio: float, args, gen: torc
                 aio.failed = 0
                 t = aio.run(mode, w, x0)
                 if rep >= args.warmup:
-                    aio_stats[mode].append((aio.wait_ms, sum(aio.get_ms) / L, aio.failed))
+                    aio_stats[mode].append((aio.wait_ms, sum(aio.backend.ms) / L, aio.failed))
             else:
                 t = prefix.run(mode, w, x0, args.window)
             if rep >= args.warmup:
@@ -524,12 +474,12 @@ def run_prefix(acc: Accel, m: Model, tokens: int, ratios: list[float], host_pool
     bw = copy_bandwidth(acc, host_pool, min(args.copy_bytes, host_pool.numel()))
     extra.update(bw)
     a, b = fit_compute(prefix, w, args.fit_rows, gen)
-    load = median_runs(lambda: prefix.run("load", w, None), 1, 3)
+    load = median_runs(partial(prefix.run, "load", w, None), 1, 3)
     extra.update(fit_a_ms=a, fit_b_ms_per_row=b, load_probe_ms=load)
-    x_check = torch.randn(args.fit_rows[0], m.hidden, generator=gen).to(acc.device, DTYPE)
+    x_check = random_rows(m, args.fit_rows[0], gen, acc.device)
     extra["check"] = prefix.check(w, x_check, args.window)
-    print(f"  prefix {tokens}: check {extra['check']}, load {load:.2f} ms, compute(M) = {a:.2f} + {b * 1e3:.3f}e-3*M ms",
-          flush=True)
+    print(f"  prefix {tokens}: check {extra['check']}, load {load:.2f} ms, "
+          f"compute(M) = {a:.2f} + {b * 1e3:.3f}e-3*M ms", flush=True)
     aio = None
     if tokens == args.prefix and args.aio_ratios:
         aio = AioPath(prefix, w, args)
@@ -543,12 +493,12 @@ def run_prefix(acc: Accel, m: Model, tokens: int, ratios: list[float], host_pool
               f"saved {m.layers} layers in {aio.save_s:.2f} s; check {extra['vllm_aio']['check']}; whole blocks "
               f"through the default 256 MiB staging: {extra['vllm_aio']['default_staging_whole_blocks']}", flush=True)
     if per_block:
-        t = median_runs(lambda: prefix.run("load_per_block", w, None), 1, 3)
+        t = median_runs(partial(prefix.run, "load_per_block", w, None), 1, 3)
         extra.update(per_block_ms=t, per_block_GBps=prefix.layer_bytes * m.layers / (t * 1e-3) / 1e9,
                      per_block_copies=prefix.blocks * m.layers)
     rows = []
     for ratio in ratios:
-        row = measure(prefix, w, pick_rows(load / ratio, a, b, m.block_size), ratio, args, gen,
+        row = measure(prefix, w, pick_rows(load / ratio, a, b, m.block_size, args.most_rows), ratio, args, gen,
                       aio if aio and ratio in args.aio_ratios else None)
         row["pinned_h2d_GBps"] = bw["h2d_GBps"]
         rows.append(row)
@@ -607,9 +557,8 @@ def print_aio_table(rows: list[dict]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="auto", help="auto (the current accelerator, else cpu), cuda, cpu, ...")
-    parser.add_argument("--quick", action="store_true", help="tiny model and sizes (a CPU smoke test)")
+    parser = arguments(__doc__, "layer_pipeline")
+    parser.add_argument("--device", default="auto", help=Accel.HELP)
     parser.add_argument("--prefix", type=int, default=16384, help="prefix tokens of the ratio sweep")
     parser.add_argument("--ratios", default="0.25,0.5,1,2,4", help="target load/compute ratios")
     parser.add_argument("--more-prefixes", default="4096,65536", help="prefixes also run at ratio 1")
@@ -623,7 +572,6 @@ def main() -> int:
                         help="vllm_aio layerwise: layerwise_prefetch_layers (loads in flight: 1 + this)")
     parser.add_argument("--aio-staging-mib", type=int, default=256,
                         help="vllm_aio: BlockIO staging per direction (raised to two layer batches if smaller)")
-    parser.add_argument("--json", type=Path, default=RESULTS, help=f"results JSON (default {RESULTS})")
     args = parser.parse_args()
     acc = Accel(args.device)
     m = TINY if args.quick else LLAMA3_8B
@@ -634,6 +582,7 @@ def main() -> int:
     args.aio_ratios = [float(r) for r in args.aio_ratios.split(",") if r]
     args.copy_bytes = (8 * MiB) if args.quick else GiB
     args.fit_rows = (16, 64) if args.quick else (512, 4096)
+    args.most_rows = 128 if args.quick else None  # noise must not pick a huge M on a shared CPU
     ratios = [float(r) for r in args.ratios.split(",")]
     more = [int(p) for p in args.more_prefixes.split(",") if p]
     started = time.perf_counter()
@@ -646,7 +595,6 @@ def main() -> int:
         r, e = run_prefix(acc, m, tokens, rs, host_pool, w, args, gen, per_block=tokens == args.prefix)
         rows += r
         extras.append(e)
-    elapsed = time.perf_counter() - started
     main_extra = extras[0]
     print(f"\n{m.name} ({m.layers} layers, {m.block_bytes // 1024} KiB per block per layer), {acc.describe()}, "
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; median of {args.repeats}, "
@@ -669,12 +617,9 @@ def main() -> int:
         print(f"\nvllm_aio checks: {v['check']}; the pool filled by BlockIO.save of {m.layers} layer units in "
               f"{v['save_s']:.2f} s ({v['save_GBps']:.1f} GB/s). Whole blocks (every layer in one value) of prefix "
               f"{args.prefix} through the default staging_buffer_size (256 MiB): {v['default_staging_whole_blocks']}.")
-    out = {"script": "layer_pipeline", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
-           "device": acc.describe(), "torch": torch.__version__, "model": asdict(m), "elapsed_s": elapsed,
-           "args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows, "per_prefix": extras}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1, default=str))
-    print(f"\nwrote {args.json} ({elapsed:.0f}s)")
+    write_results(args.json, "layer_pipeline", started, device=acc.describe(), torch=torch.__version__,
+                  model=asdict(m), args={k: v for k, v in vars(args).items() if k != "json"}, rows=rows,
+                  per_prefix=extras)
     return 0
 
 

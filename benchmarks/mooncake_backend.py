@@ -26,18 +26,22 @@ warm-up repetition.
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from vllm_aio.backends.base import Segment, Status
-from vllm_aio.backends.mooncake import MooncakeBackend, MooncakeSettings
-from vllm_aio.devtools.mooncake_pool import MooncakePool
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vllm_aio.backends import Backend, Segment, Status, create_backend  # noqa: E402
+from vllm_aio.config import parse_extra_config  # noqa: E402
+from vllm_aio.devtools.mooncake_pool import MooncakePool  # noqa: E402
+from _report import arguments, print_markdown, write_results  # noqa: E402  (benchmarks/ is on sys.path)
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ def timed(fn: Callable[[], None]) -> float:
 class Bench:
     """The variants of one case, interleaved within each repetition (fair under noise)."""
 
-    def __init__(self, backend: MooncakeBackend, case: Case) -> None:
+    def __init__(self, backend: Backend, case: Case) -> None:
         self.backend, self.store, self.case = backend, backend._store, case
         self.src = torch.randint(0, 256, (case.total,), dtype=torch.uint8)
         self.dst = torch.empty_like(self.src)
@@ -133,7 +137,8 @@ class Bench:
     def _ours(
         self, parts: int, stage_below: int | None = None
     ) -> tuple[Callable[[list[str]], None], Callable[[list[str]], None]]:
-        """Our batch calls; ``stage_below`` forces the path (0: multi-buffer, huge: staged)."""
+        """Our batch calls; ``stage_below`` forces the path (0: multi-buffer, huge: staged) by setting
+        the backend's private ``_stage_below`` around the call: MooncakeBackend takes no such parameter."""
         src = segments(self.src.data_ptr(), self.case, parts)
         dst = segments(self.dst.data_ptr(), self.case, parts)
         policy = self.backend._stage_below
@@ -149,37 +154,47 @@ class Bench:
                 lambda keys: call(self.backend.batch_get, keys, dst))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def open_backend(pool: MooncakePool, engine_segment: str, value_bytes: int) -> Backend:
+    """A MooncakeBackend for values of ``value_bytes``, opened on ``pool`` as the connector's worker opens it."""
+    extra = {"backend": "mooncake", **pool.config, "global_segment_size": engine_segment}
+    return create_backend(parse_extra_config(extra, environ={}), "bench", value_bytes, for_scheduler=False)
+
+
+def main() -> int:
+    parser = arguments(__doc__, "mooncake_backend")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--pool-size", default="2GB", help="memory of the standalone owner")
     parser.add_argument("--engine-segment", default="0",
                         help="memory this process contributes too (default 0: all values cross to the owner)")
     args = parser.parse_args()
     cases = [Case(32, 1 << 20, 8), Case(256, 64 << 10, 8)]
-    rows: list[tuple[str, str, list[float]]] = []
-    names: list[str] = []
+    if args.quick:
+        args.reps, args.pool_size = min(args.reps, 1), "256MB"
+        cases = [Case(8, 1 << 20, 8), Case(32, 64 << 10, 8)]
+    started = time.perf_counter()
+    rows: list[dict] = []
     with MooncakePool(args.pool_size) as pool:
-        config = {**pool.config, "global_segment_size": args.engine_segment}
-        backend = MooncakeBackend(MooncakeSettings.load(config, environ={}))
-        try:
-            for case in cases:
+        for case in cases:
+            backend = open_backend(pool, args.engine_segment, case.value)
+            try:
                 bench = Bench(backend, case)
-                result = bench.run(args.reps)
-                names = list(result)
-                for op, i in (("put", 0), ("get", 1)):
-                    rows.append((f"{case}, N={case.parts}", op, [result[name][i] for name in names]))
-                rows.append((f"{case}, N={case.parts}", "memcpy", [bench.memcpy(args.reps)]))
-        finally:
-            backend.close()
-    print(f"Mooncake loopback, tcp, engine segment {args.engine_segment} + standalone owner {args.pool_size}; "
-          f"median of {args.reps}, GB/s")
-    print(f"{'case':<20}{'op':<8}" + "".join(f"{name:>14}" for name in names) + f"{'ours N/raw':>12}")
-    for case, op, values in rows:
-        cells = "".join(f"{v:>14.2f}" for v in values)
-        ratio = f"{values[-1] / values[0]:>11.0%}" if len(values) > 1 else ""
-        print(f"{case:<20}{op:<8}{cells}{ratio}")
+                rows.append({"case": f"{case}, N={case.parts}", "GBps": bench.run(args.reps),
+                             "memcpy_GBps": bench.memcpy(args.reps)})
+            finally:
+                backend.close()
+    names = list(rows[0]["GBps"])
+    body = []
+    for r in rows:
+        for op, i in (("put", 0), ("get", 1)):
+            values = [r["GBps"][name][i] for name in names]
+            body.append([r["case"], op, *(f"{v:.2f}" for v in values), f"{values[-1] / values[0]:.0%}"])
+        body.append([r["case"], "memcpy", f"{r['memcpy_GBps']:.2f}", *["" for _ in names]])
+    print_markdown(["case", "op", *names, "ours N/raw"], body, left=2,
+                   title=f"Mooncake loopback, tcp, engine segment {args.engine_segment} + standalone owner "
+                         f"{args.pool_size}; median of {args.reps}, GB/s")
+    write_results(args.json, "mooncake_backend", started, args=vars(args), rows=rows)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

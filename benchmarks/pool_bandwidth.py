@@ -38,7 +38,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -47,9 +46,10 @@ import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-RESULTS = Path(__file__).resolve().parent / "results" / "pool_bandwidth.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _pool import expect  # noqa: E402  (benchmarks/ is on sys.path)
+from _report import arguments, print_markdown, write_results  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 # name, segments per value (layers), segment bytes, blocks
@@ -73,7 +73,7 @@ def timed(fn) -> float:
 def run_case(name: str, num_segs: int, seg: int, blocks: int, repeats: int, seed: int) -> dict:
     import torch
 
-    from vllm_aio.backends.base import Status
+    from vllm_aio.backends import Status
     from vllm_aio.backends.local import LocalBackend
 
     value = num_segs * seg
@@ -98,11 +98,11 @@ def run_case(name: str, num_segs: int, seg: int, blocks: int, repeats: int, seed
     writer = LocalBackend(first_name, value * blocks, value, seal=False)
     try:
         first_keys = keys(-1)
-        put_first = timed(lambda: _check(writer.batch_put(first_keys, segments), Status.OK))
+        put_first = timed(lambda: expect(writer.batch_put(first_keys, segments), Status.OK, "first put"))
         reader = LocalBackend(first_name, value * blocks, value, seal=False)  # a second mmap
         try:
-            get_fresh = timed(lambda: _check(reader.batch_get(first_keys, segments), Status.OK))
-            get_mapped = timed(lambda: _check(reader.batch_get(first_keys, segments), Status.OK))
+            get_fresh = timed(lambda: expect(reader.batch_get(first_keys, segments), Status.OK, "get, fresh map"))
+            get_mapped = timed(lambda: expect(reader.batch_get(first_keys, segments), Status.OK, "get"))
         finally:
             reader.close()
     finally:
@@ -127,11 +127,11 @@ def run_case(name: str, num_segs: int, seg: int, blocks: int, repeats: int, seed
     try:
         backend.pool._data[:] = 0  # pre-fault every page of the pool (internal view; untimed)
         stored = keys(0)
-        _check(backend.batch_put(stored, segments), Status.OK)  # untimed: the keys gets read
+        expect(backend.batch_put(stored, segments), Status.OK, "put")  # untimed: the keys gets read
         src_addr, dst_addr = src.data_ptr(), dst.data_ptr()
         ops = {
-            "put": lambda r: _check(backend.batch_put(keys(r + 1), segments), Status.OK),
-            "get": lambda r: _check(backend.batch_get(stored, segments), Status.OK),
+            "put": lambda r: expect(backend.batch_put(keys(r + 1), segments), Status.OK, "put"),
+            "get": lambda r: expect(backend.batch_get(stored, segments), Status.OK, "get"),
             "memcpy": lambda r: ctypes.memmove(dst_addr, src_addr, total),
             "torch": lambda r: dst.copy_(src),
             "memcpy_seg": lambda r: memcpy_seg(),
@@ -159,41 +159,30 @@ def run_case(name: str, num_segs: int, seg: int, blocks: int, repeats: int, seed
     }
 
 
-def _check(statuses, want) -> None:
-    bad = [s for s in statuses if s is not want]
-    if bad:
-        raise RuntimeError(f"{len(bad)} of {len(statuses)} keys returned {bad[0]} (want {want})")
-
-
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], title: str) -> None:
     head = ("case", "MiB", "put GB/s", "get GB/s", "memcpy GB/s", "torch copy_ GB/s", "memcpy/seg GB/s",
             "put/memcpy", "get/memcpy", "put/seg", "get/seg", "exists us/key", "put 1st GB/s",
             "get fresh map GB/s")
-    table = [head, ("", "", "", "", "", "", "", "(>= 0.8)", "(>= 0.8)", "", "", "", "", "")]
-    for r in rows:
-        table.append((
-            r["case"], f"{r['total_bytes'] / MiB:.0f}", f"{r['put_GBps']:.2f}", f"{r['get_GBps']:.2f}",
-            f"{r['memcpy_GBps']:.2f}", f"{r['torch_copy_GBps']:.2f}", f"{r['memcpy_seg_GBps']:.2f}",
-            f"{r['put_over_memcpy']:.2f}", f"{r['get_over_memcpy']:.2f}",
-            f"{r['put_over_memcpy_seg']:.2f}", f"{r['get_over_memcpy_seg']:.2f}", f"{r['exists_us_per_key']:.1f}",
-            f"{r['put_first_touch_GBps']:.2f}", f"{r['get_fresh_map_GBps']:.2f}",
-        ))
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    for i, row in enumerate(table):
-        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    goal = ("", "", "", "", "", "", "", "(>= 0.8)", "(>= 0.8)", "", "", "", "", "")
+    print_markdown(head, [goal] + [(
+        r["case"], f"{r['total_bytes'] / MiB:.0f}", f"{r['put_GBps']:.2f}", f"{r['get_GBps']:.2f}",
+        f"{r['memcpy_GBps']:.2f}", f"{r['torch_copy_GBps']:.2f}", f"{r['memcpy_seg_GBps']:.2f}",
+        f"{r['put_over_memcpy']:.2f}", f"{r['get_over_memcpy']:.2f}",
+        f"{r['put_over_memcpy_seg']:.2f}", f"{r['get_over_memcpy_seg']:.2f}", f"{r['exists_us_per_key']:.1f}",
+        f"{r['put_first_touch_GBps']:.2f}", f"{r['get_fresh_map_GBps']:.2f}",
+    ) for r in rows], left=1, title=title)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "pool_bandwidth")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--blocks-scale", type=float, default=1.0, help="multiply every case's block count")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--nt-threshold", type=int, default=None, metavar="BYTES",
                         help="also run every case with glibc's non-temporal threshold set to BYTES")
     parser.add_argument("--rows-json", type=Path, help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.blocks_scale = min(args.repeats, 2), min(args.blocks_scale, 0.05)
     import torch
 
     started = time.perf_counter()
@@ -213,20 +202,12 @@ def main() -> int:
             subprocess.run([sys.executable, __file__, "--repeats", str(args.repeats), "--blocks-scale",
                             str(args.blocks_scale), "--rows-json", str(rows_path)], env=env, check=True)
             nt_rows = json.loads(rows_path.read_text())
-    elapsed = time.perf_counter() - started
-    print(f"\nEmbedded pool (LocalBackend) vs memcpy, median of {args.repeats}; "
-          f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs")
-    print_table(rows)
+    print_table(rows, f"Embedded pool (LocalBackend) vs memcpy, median of {args.repeats}; "
+                      f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs")
     if nt_rows:
-        print(f"\nSame, GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold={args.nt_threshold}")
-        print_table(nt_rows)
-    out = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv, "elapsed_s": elapsed,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                       "torch_threads": torch.get_num_threads()}, "rows": rows,
-           "nt_threshold": args.nt_threshold, "nt_rows": nt_rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
-    print(f"\nwrote {args.out} ({elapsed:.0f}s)")
+        print_table(nt_rows, f"Same, GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold={args.nt_threshold}")
+    write_results(args.json, "pool_bandwidth", started, torch_threads=torch.get_num_threads(), rows=rows,
+                  nt_threshold=args.nt_threshold, nt_rows=nt_rows)
     return 0
 
 

@@ -23,6 +23,7 @@ import os
 
 from vllm_aio.backends import Status
 from vllm_aio.connector import AioConnector
+from vllm_aio.connector.layer_buffer import BufferHooks
 
 
 class _FaultyBackend:
@@ -64,14 +65,13 @@ def _scribble(segments) -> None:
 
 
 class FaultyAioConnector(AioConnector):
-    def __init__(self, vllm_config, role, kv_cache_config):
-        super().__init__(vllm_config, role, kv_cache_config)
-        half = self._worker or self._scheduler
-        half._backend = _FaultyBackend(half._backend, os.environ["AIO_FAULT"])
+    def open_backend(self, cfg, dep, for_scheduler):
+        return _FaultyBackend(super().open_backend(cfg, dep, for_scheduler), os.environ["AIO_FAULT"])
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
-        buffer = self._worker._buffer
-        if os.environ["AIO_FAULT"] == "skip_buffer_load" and buffer is not None:
-            load = buffer._load
-            buffer._load = lambda layer: None if layer == 3 else load(layer)
+        hooks = self._worker._buffer
+        if os.environ["AIO_FAULT"] == "skip_buffer_load" and isinstance(hooks, BufferHooks):
+            # A negative control has to break the buffer from inside: its layer load.
+            load = hooks.buffer._load
+            hooks.buffer._load = lambda layer: None if layer == 3 else load(layer)

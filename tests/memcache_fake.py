@@ -12,14 +12,18 @@ comes from:
 - "source": Ascend/memcache sources (``MmcErrorCode`` in mmc_types.h;
   ``MmcacheStore::ReturnWrapper``, ``BatchPutFrom`` / ``BatchGetInto`` in
   mmcache_store.cpp; ``MmcClientDefault::BatchGet`` in mmc_client_default.cpp).
+
+``FakeMetaPort`` and ``write_local_conf`` give the backend what it checks
+before it calls the client: a meta-service port that accepts TCP, a config file.
 """
 
 from __future__ import annotations
 
 import ctypes
+import socket
 import threading
-import time
 from collections.abc import Sequence
+from pathlib import Path
 
 # MmcErrorCode (source: mmc_types.h)
 OK, ERROR, INVALID_PARAM, TIMEOUT = 0, -1, -3000, -3004
@@ -43,11 +47,35 @@ class FakeMetaService:
         self.npu = npu  # False: like this host, init(init_bm=True) fails the driver check
         self.values: dict[str, bytes] = {}
         self.down = False  # the meta service is gone
-        self.hang_s = 60.0  # seen: the first call after it died blocks this long
+        self.hang_s = 60.0  # seen: the first call after it died blocks this long (or until release())
         self.lock = threading.Lock()
+        self._released = threading.Event()
+        self._stuck_cond = threading.Condition()
+        self._stuck = 0  # calls blocked on the dead meta service now
 
     def used(self) -> int:
         return sum(len(v) for v in self.values.values())
+
+    def hang(self) -> None:
+        """Block like the first call after the meta service died: ``hang_s``, or until ``release``."""
+        with self._stuck_cond:
+            self._stuck += 1
+            self._stuck_cond.notify_all()
+        try:
+            self._released.wait(self.hang_s)
+        finally:
+            with self._stuck_cond:
+                self._stuck -= 1
+                self._stuck_cond.notify_all()
+
+    def release(self) -> None:
+        """Let the blocked calls (and later ones that would block) return at once."""
+        self._released.set()
+
+    def wait_stuck(self, count: int, timeout: float = 30.0) -> bool:
+        """Wait until ``count`` calls are blocked in ``hang``; False after ``timeout``."""
+        with self._stuck_cond:
+            return self._stuck_cond.wait_for(lambda: self._stuck == count, timeout=timeout)
 
 
 class FakeKeyInfo:
@@ -86,7 +114,7 @@ class FakeDistributedObjectStore:
         if not self.meta.down:
             return None
         if not self.link_lost:
-            time.sleep(self.meta.hang_s)
+            self.meta.hang()
             self.link_lost = True
             return [first] * n
         return [later] * n
@@ -231,3 +259,38 @@ def _layers_ok(keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequen
     if len(ptrs) != len(keys) or len(sizes) != len(keys):
         return False
     return all(0 < len(p) == len(s) for p, s in zip(ptrs, sizes))
+
+
+class FakeMetaPort:
+    """A listening socket, so the backend's TCP probe sees a meta service."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.sock: socket.socket | None = None
+        self.up()
+
+    def up(self) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", self.port))
+        self.sock.listen(64)
+
+    def down(self) -> None:
+        self.sock.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_local_conf(path: Path, meta_port: int, store_port: int, protocol: str = "host_tcp") -> Path:
+    """A client config file (``MMC_LOCAL_CONFIG_PATH``) naming these ports."""
+    path.write_text(
+        f"ock.mmc.meta_service_url = tcp://127.0.0.1:{meta_port}\n"
+        f"ock.mmc.local_service.config_store_url = tcp://127.0.0.1:{store_port}\n"
+        f"# a comment line\nock.mmc.local_service.protocol = {protocol}\n"
+        "ock.mmc.local_service.dram.size = 64MB\nock.mmc.local_service.hbm.size = 0\nock.mmc.log_level = error\n"
+    )
+    return path

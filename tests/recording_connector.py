@@ -3,8 +3,7 @@
 Loaded by real vLLM through ``kv_connector_module_path: recording_connector``.
 Each process appends the keys it puts, one a line, to ``$AIO_RECORD_DIR/<pid>``,
 so a test can tell which worker (rank) stored what. Everything else (vLLM, the
-connector, the pool) is the real thing. Tests must not import this module:
-importing it replaces the backends of every connector built in the process.
+connector, the pool) is the real thing.
 """
 
 from __future__ import annotations
@@ -14,9 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_aio.connector import AioConnector
-from vllm_aio.connector import connector as _connector
-
-_create_backend = _connector.create_backend
 
 
 class _RecordingBackend:
@@ -32,15 +28,9 @@ class _RecordingBackend:
         return self.inner.batch_put(keys, segments)
 
 
-def _recording_backend(*args: Any, **kwargs: Any) -> _RecordingBackend:
-    path = os.path.join(os.environ["AIO_RECORD_DIR"], str(os.getpid()))
-    return _RecordingBackend(_create_backend(*args, **kwargs), path)
-
-
-# vLLM imports this module in every process that builds the connector.
-_connector.create_backend = _recording_backend
-
-
 class RecordingAioConnector(AioConnector):
-    """The real connector; importing this module installed the recording backends."""
+    """The real connector, whose backend also records the keys it puts."""
 
+    def open_backend(self, cfg: Any, dep: Any, for_scheduler: bool) -> Any:
+        path = os.path.join(os.environ["AIO_RECORD_DIR"], str(os.getpid()))
+        return _RecordingBackend(super().open_backend(cfg, dep, for_scheduler), path)

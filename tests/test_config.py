@@ -1,11 +1,19 @@
-"""Unit tests of ``vllm_aio.config``: sizes, validation messages, env overrides, defaults."""
+"""Unit tests of ``vllm_aio.config``: sizes, validation messages, env overrides, defaults,
+and the hand-over of each backend's keys to its settings class (parsed once, here)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 
+from conftest import ROOT
+from vllm_aio.backends.local_settings import LocalSettings
+from vllm_aio.backends.memcache_settings import MemcacheSettings
+from vllm_aio.backends.mooncake_settings import MooncakeSettings
 from vllm_aio.config import BACKENDS, AioConfig, ConfigError, parse_extra_config, parse_size
 
 NO_ENV: dict[str, str] = {}
@@ -62,7 +70,7 @@ def test_bool_size_is_rejected_although_bool_is_an_int(value):
 
 
 def test_extra_config_size_string_is_parsed():
-    assert parse({"local_pool_size": "512MB"}).local_pool_size == 512 << 20
+    assert parse({"local_pool_size": "512MB"}).backend_settings.local_pool_size == 512 << 20
 
 
 def test_extra_config_bad_size_fails_naming_local_pool_size():
@@ -78,8 +86,9 @@ def test_unknown_key_fails_naming_it_and_listing_accepted_keys():
         parse({"backed": "local"})
     message = str(info.value)
     assert "backed" in message
-    for field in dataclasses.fields(AioConfig):
-        assert field.name in message.split("accepted keys:")[1]
+    general = [f.name for f in dataclasses.fields(AioConfig) if f.name != "backend_settings"]
+    for key in general + ["local_pool_size", "local_pool_name"]:
+        assert key in message.split("accepted keys:")[1]
 
 
 def test_several_unknown_keys_are_all_named():
@@ -105,7 +114,7 @@ def test_wrong_type_fails_naming_the_key(key, value):
 
 
 def test_local_pool_name_accepts_null():
-    assert parse({"local_pool_name": None}).local_pool_name is None
+    assert parse({"local_pool_name": None}).backend_settings.local_pool_name is None
 
 
 def test_backend_outside_accepted_list_fails_naming_accepted_values():
@@ -136,7 +145,8 @@ def test_discard_partial_chunks_true_is_accepted():
 
 @pytest.mark.parametrize("name", ["pd", "pd-pool_1.v2", "A" * 64, "0"])
 def test_local_pool_name_of_safe_characters_is_accepted(name):
-    assert parse({"local_pool_name": name}).local_pool_name == name
+    cfg = parse({"local_pool_name": name})
+    assert cfg.backend_settings.local_pool_name == name
 
 
 @pytest.mark.parametrize("name", ["", "A" * 65, "a/b", "../x", "has space", "naïve", "x\n"])
@@ -160,7 +170,7 @@ def test_env_backend_outside_accepted_list_fails():
 
 def test_env_local_pool_size_overrides_extra_config_as_bytes():
     cfg = parse({"local_pool_size": "1GB"}, environ={"VLLM_AIO_LOCAL_POOL_SIZE": "8GB"})
-    assert cfg.local_pool_size == 8 << 30
+    assert cfg.backend_settings.local_pool_size == 8 << 30
 
 
 def test_env_local_pool_size_unparseable_fails_naming_the_variable():
@@ -190,8 +200,7 @@ def test_empty_extra_config_gives_documented_defaults():
     cfg = parse({})
     assert cfg == AioConfig()
     assert cfg.backend == "local"
-    assert cfg.local_pool_size == 4 << 30
-    assert cfg.local_pool_name is None
+    assert cfg.backend_settings == LocalSettings(local_pool_size=4 << 30, local_pool_name=None)
     assert cfg.consumer_is_to_load is True
     assert cfg.consumer_is_to_put is False
     assert cfg.save_decode_cache is False
@@ -243,3 +252,75 @@ def test_transfer_timeout_must_be_positive_seconds():
     with pytest.raises(ConfigError, match="transfer_timeout"):
         parse_extra_config({"transfer_timeout": 0}, environ={})
     assert parse_extra_config({"transfer_timeout": 2}, environ={}).transfer_timeout == 2.0
+
+
+# ---- each backend's settings, parsed once at the boundary -------------------------
+
+
+def test_mooncake_settings_are_parsed_here_from_file_inline_keys_and_env(tmp_path):
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"master_server_address": "10.0.0.1:1", "protocol": "rdma", "tenant_id": "t"}))
+    cfg = parse({"backend": "mooncake", "protocol": "tcp"},
+                environ={"MOONCAKE_CONFIG_PATH": str(path), "MOONCAKE_GLOBAL_SEGMENT_SIZE": "1GB"})
+    assert cfg.backend_settings == MooncakeSettings(
+        master_server_address="10.0.0.1:1", protocol="tcp", tenant_id="t", global_segment_size=1 << 30)
+
+
+def test_memcache_inline_device_id_reaches_its_settings(tmp_path):
+    conf = tmp_path / "mmc-local.conf"
+    conf.write_text("ock.mmc.meta_service_url = tcp://127.0.0.1:5000\nock.mmc.local_service.protocol = host_tcp\n")
+    cfg = parse({"backend": "memcache", "device_id": 3}, environ={"MMC_LOCAL_CONFIG_PATH": str(conf)})
+    assert cfg.backend_settings == MemcacheSettings(
+        config_path=str(conf), meta_service_url="tcp://127.0.0.1:5000", protocol="host_tcp", device_id=3)
+    with pytest.raises(ConfigError, match=r"^device_id: expected an integer"):
+        parse({"backend": "memcache", "device_id": "npu0"}, environ={"MMC_LOCAL_CONFIG_PATH": str(conf)})
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"master_server_address": "h:1"}, r'^master_server_address: Mooncake settings need backend "mooncake", '
+                                           r"but backend is 'local'"),
+        ({"backend": "memcache", "tenant_id": "a"}, r'^tenant_id: Mooncake settings need backend "mooncake"'),
+        ({"backend": "mooncake", "master_server_address": "h:1", "device_id": 0},
+         r'^device_id: Memcache settings need backend "memcache", but backend is \'mooncake\''),
+        ({"backend": "mooncake", "master_server_address": "h:1", "local_pool_size": "1GB"},
+         r'^local_pool_size: embedded pool settings need backend "local"'),
+    ],
+)
+def test_a_key_of_another_backend_fails_naming_that_backend(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(extra)
+
+
+def test_unknown_key_lists_the_keys_of_the_chosen_backend():
+    with pytest.raises(ConfigError) as info:
+        parse({"backend": "mooncake", "master_server_address": "h:1", "protocl": "tcp"})
+    message = str(info.value)
+    assert message.startswith("unknown key(s) protocl in kv_connector_extra_config")
+    assert message.endswith("with backend mooncake also: " + ", ".join(MooncakeSettings.keys))
+
+
+def test_settings_of_another_backend_are_refused():
+    with pytest.raises(ConfigError, match=r"^backend_settings: LocalSettings are not the settings of backend"):
+        AioConfig(backend="mooncake")
+
+
+def test_local_pool_size_variable_is_the_embedded_pools_alone():
+    assert parse({"backend": "mooncake", "master_server_address": "h:1"},
+                 environ={"VLLM_AIO_LOCAL_POOL_SIZE": "banana"}).backend == "mooncake"
+
+
+def test_parsing_any_backends_settings_imports_no_store_library(tmp_path):
+    conf = tmp_path / "mmc-local.conf"
+    conf.write_text("ock.mmc.meta_service_url = tcp://127.0.0.1:5000\n")
+    blocked = ("mooncake", "memcache_hybrid", "memfabric_hybrid", "torch_npu", "torch", "numpy", "vllm",
+               "vllm_aio.backends.mooncake", "vllm_aio.backends.memcache", "vllm_aio.backends.local")
+    code = "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in blocked) + f"""
+from vllm_aio.config import parse_extra_config
+parse_extra_config({{}}, environ={{}})
+parse_extra_config({{"backend": "mooncake", "master_server_address": "h:1"}}, environ={{}})
+parse_extra_config({{"backend": "memcache"}}, environ={{"MMC_LOCAL_CONFIG_PATH": {str(conf)!r}}})
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

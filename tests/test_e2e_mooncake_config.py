@@ -79,13 +79,18 @@ def tenant_a(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, tenant_
     return Run(rounds, engine.last_log)
 
 
-def test_vllm_store_connector_file_runs_unchanged_and_hits_the_pool(tenant_a: Run, baseline) -> None:
+def test_vllm_store_connector_file_runs_unchanged_and_hits_the_pool(
+    tenant_a: Run, tenant_pool: MooncakePool, baseline
+) -> None:
     stored, loaded = tenant_a.rounds
     assert all(r["cached"] == 0 for r in stored), [r["cached"] for r in stored]
     assert all(cached_fraction(r) >= 0.8 for r in loaded), [r["cached"] for r in loaded]
     assert_same_generation(stored, baseline["warm"])
     assert_same_generation(loaded, baseline["warm"])
     assert IGNORING + "enable_offload (" in tenant_a.log
+    # The start-up line describes the store the file chose (MooncakeBackend.describe).
+    assert f"backend=mooncake master={tenant_pool.master_address} protocol=tcp" in tenant_a.log
+    assert "tenant_id=a global_segment_size=0.00GiB" in tenant_a.log
 
 
 def test_other_tenant_on_the_same_master_sees_none_of_its_blocks(

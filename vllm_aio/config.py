@@ -6,61 +6,39 @@ accepted set fail at start, naming the key and what is accepted, because a
 typo (``"backed": "mooncake"``) silently falling back to defaults is the worst
 kind of misconfiguration for a cache: everything works, nothing hits.
 
+Each backend owns its settings (``backends/*_settings.py``, registered in
+``backends.SETTINGS``): its keys of the extra config are handed to its settings
+class, which adds its own environment variables and files. ``AioConfig`` holds
+the result, whatever the backend, in ``backend_settings``.
+
 Environment variables (documented in the README) override the extra config:
-``VLLM_AIO_BACKEND`` and ``VLLM_AIO_LOCAL_POOL_SIZE``; the Mooncake backend also
-reads ``MOONCAKE_CONFIG_PATH``, ``MOONCAKE_MASTER`` and
-``MOONCAKE_GLOBAL_SEGMENT_SIZE`` (see ``backends/mooncake.py``), the Memcache
-backend the file named by ``MMC_LOCAL_CONFIG_PATH`` (see ``backends/memcache.py``).
+``VLLM_AIO_BACKEND``; the embedded pool reads ``VLLM_AIO_LOCAL_POOL_SIZE``, the
+Mooncake backend ``MOONCAKE_CONFIG_PATH``, ``MOONCAKE_MASTER`` and
+``MOONCAKE_GLOBAL_SEGMENT_SIZE``, the Memcache backend the file named by
+``MMC_LOCAL_CONFIG_PATH``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-BACKENDS = ("local", "mooncake", "memcache")
+from vllm_aio.backends import SETTINGS, BackendSettings
+from vllm_aio.backends.local_settings import LocalSettings
+from vllm_aio.backends.settings import ConfigError, parse_size
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*$", re.IGNORECASE)
+__all__ = ["BACKENDS", "AioConfig", "ConfigError", "parse_extra_config", "parse_size"]
 
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message names the key."""
-
-
-def parse_size(key: str, value: Any) -> int:
-    """Bytes from an int or a string like "4GB", "512MB", "1.5GB" (binary units)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a size such as 4294967296 or '4GB', got {value!r}")
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
-        unit = m.group(2).upper()
-        unit = unit if unit.endswith("B") or unit == "" else unit + "B"
-        size = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    else:
-        raise ConfigError(
-            f"{key}: expected a size such as 4294967296 or '4GB' (units B, KB, MB, GB, TB), "
-            f"got {value!r}"
-        )
-    if size <= 0:
-        raise ConfigError(f"{key}: must be positive, got {value!r}")
-    return size
+BACKENDS = tuple(SETTINGS)
 
 
 @dataclass(frozen=True)
 class AioConfig:
     # Which pooled store holds the blocks: the embedded host pool by default.
     backend: str = "local"
-    # Bytes of host memory of the embedded pool (int or "4GB").
-    local_pool_size: int = 4 << 30
-    # Instances on one host that set the same name share one embedded pool
-    # (e.g. a prefill and a decode instance); unset, the pool is private.
-    local_pool_name: str | None = None
     # A kv_consumer loads from the pool unless this is false.
     consumer_is_to_load: bool = True
     # A kv_consumer also stores what it computes.
@@ -88,17 +66,17 @@ class AioConfig:
     # cache). With S >= 2, layers time-share S device buffers while the full KV
     # lives in host memory, and vLLM sees about layers/S times more blocks.
     dynamic_buffer_layers: int = 0
-    # Mooncake settings given inline (master_server_address, protocol, ...);
-    # merged over the MOONCAKE_CONFIG_PATH file and checked by the backend.
-    mooncake: dict[str, Any] = field(default_factory=dict)
+    # The chosen backend's own settings: its keys of the extra config (e.g.
+    # local_pool_size, master_server_address), its variables and its files.
+    backend_settings: BackendSettings = field(default_factory=LocalSettings)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend: expected one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.mooncake and self.backend != "mooncake":
+        if self.backend_settings.name != self.backend:
             raise ConfigError(
-                f"{', '.join(sorted(self.mooncake))}: Mooncake settings need backend \"mooncake\", "
-                f"but backend is {self.backend!r}"
+                f"backend_settings: {type(self.backend_settings).__name__} are not the settings of "
+                f"backend {self.backend!r}"
             )
         if not self.discard_partial_chunks:
             raise ConfigError(
@@ -123,16 +101,10 @@ class AioConfig:
             raise ConfigError(f"layerwise_prefetch_layers: expected an integer >= 0, got {self.layerwise_prefetch_layers}")
         if not self.transfer_timeout > 0:
             raise ConfigError(f"transfer_timeout: expected seconds > 0, got {self.transfer_timeout}")
-        if self.local_pool_name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.local_pool_name):
-            raise ConfigError(
-                "local_pool_name: expected 1-64 characters from A-Z a-z 0-9 _ . -, "
-                f"got {self.local_pool_name!r}"
-            )
 
 
-
-_ENV_OVERRIDES = {"VLLM_AIO_BACKEND": "backend", "VLLM_AIO_LOCAL_POOL_SIZE": "local_pool_size"}
-_SIZE_KEYS = {"local_pool_size", "staging_buffer_size"}
+_ENV_OVERRIDES = {"VLLM_AIO_BACKEND": "backend"}
+_SIZE_KEYS = {"staging_buffer_size"}
 
 
 def _check_type(key: str, value: Any, field: dataclasses.Field) -> Any:
@@ -153,17 +125,7 @@ def _check_type(key: str, value: Any, field: dataclasses.Field) -> Any:
     elif expected == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
-    elif expected == "str | None":
-        if value is not None and not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string or null, got {value!r}")
     return value
-
-
-def _mooncake_keys() -> list[str]:
-    # Imported here: the backend module imports this one (for parse_size).
-    from vllm_aio.backends.mooncake import MooncakeSettings
-
-    return [f.name for f in dataclasses.fields(MooncakeSettings)]
 
 
 def parse_extra_config(
@@ -171,26 +133,41 @@ def parse_extra_config(
 ) -> AioConfig:
     """Build the config from ``kv_connector_extra_config`` and the environment.
 
-    Mooncake's own keys (``master_server_address``, ``protocol``, ...) are
-    accepted at the top level, as vllm-ascend users write them, and collected
-    into ``mooncake``. Unlike a ``MOONCAKE_CONFIG_PATH`` file, they stay
-    strict: keys of other connectors (``alloc_in_same_node``) fail here.
+    The chosen backend's own keys sit at the top level too (``local_pool_size``;
+    Mooncake's ``master_server_address``, ``protocol``, ... as vllm-ascend users
+    write them; Memcache's ``device_id``): they go to its settings class, parsed
+    here, once. Unlike a ``MOONCAKE_CONFIG_PATH`` file they stay strict: keys of
+    other connectors (``alloc_in_same_node``) and of a backend not chosen fail.
     """
     environ = os.environ if environ is None else environ
-    fields = {f.name: f for f in dataclasses.fields(AioConfig) if f.name != "mooncake"}
-    mooncake_keys = _mooncake_keys()
-    unknown = sorted(set(extra) - set(fields) - set(mooncake_keys))
-    if unknown:
-        raise ConfigError(
-            f"unknown key(s) {', '.join(unknown)} in kv_connector_extra_config; "
-            f"accepted keys: {', '.join(sorted(fields))}; "
-            f"with backend mooncake also: {', '.join(mooncake_keys)}"
-        )
+    fields = {f.name: f for f in dataclasses.fields(AioConfig) if f.name != "backend_settings"}
     values: dict[str, Any] = {
         key: _check_type(key, value, fields[key]) for key, value in extra.items() if key in fields
     }
-    values["mooncake"] = {key: value for key, value in extra.items() if key in mooncake_keys}
     for env, key in _ENV_OVERRIDES.items():
         if env in environ:
             values[key] = _check_type(env, environ[env], fields[key])
-    return AioConfig(**values)
+    backend = values.get("backend", AioConfig.backend)
+    if backend not in SETTINGS:
+        raise ConfigError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    chosen = SETTINGS[backend]
+    _check_keys(extra, sorted(fields), chosen)
+    inline = {key: value for key, value in extra.items() if key in chosen.keys}
+    return AioConfig(backend_settings=chosen.load(inline, environ), **values)
+
+
+def _check_keys(extra: Mapping[str, Any], general: list[str], chosen: type[BackendSettings]) -> None:
+    """Every key is general or the chosen backend's; another backend's key names that backend."""
+    owners = {key: s for s in SETTINGS.values() if s is not chosen for key in s.keys if key not in chosen.keys}
+    unknown = sorted(set(extra) - set(general) - set(chosen.keys) - set(owners))
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(unknown)} in kv_connector_extra_config; "
+            f"accepted keys: {', '.join(general)}; with backend {chosen.name} also: {', '.join(chosen.keys)}"
+        )
+    for other in SETTINGS.values():
+        if misplaced := sorted(key for key in extra if owners.get(key) is other):
+            raise ConfigError(
+                f"{', '.join(misplaced)}: {other.title} settings need backend \"{other.name}\", "
+                f"but backend is {chosen.name!r}"
+            )

@@ -1,19 +1,30 @@
 """The contract every pooled store implements.
 
 A value is the bytes of one KV block (of one rank, possibly of one layer),
-scattered over several device or host regions: the worker passes, per key, a
-list of ``(address, size)`` segments and the backend copies between those
-segments and its own memory. Addresses make the contract identical for the
-embedded pool (memcpy), Mooncake (``batch_put_from_multi_buffers``) and
-Memcache, and let zero-copy backends register the KV cache once.
+scattered over several regions: the worker passes, per key, a list of
+``(address, size)`` segments and the backend copies between those segments
+and its own memory. Addresses make the contract identical for the embedded
+pool (memcpy), Mooncake (``batch_put_from_multi_buffers``) and Memcache, and
+let zero-copy backends register the memory once.
+
+What a segment points to: memory of the calling process, readable (put) or
+writable (get) for the whole call, and host memory (``Memory.HOST``: RAM the
+CPU addresses, pageable, page-locked or shared) unless it lies in a region
+the caller registered as ``Memory.DEVICE`` with a backend whose
+``segment_memory`` includes it. The connector hands host memory only: the KV
+cache itself on the CPU, page-locked staging buffers on accelerators
+(``connector/block_io.py``).
 
 Every call is batched and returns one typed ``Status`` per key. The keys of one
 put or get batch are distinct (``connector/block_io.py`` reads a key shared by
 several blocks once): a store may mishandle a repeat (Mooncake answers success
 for both and fills one destination), so a backend answers a repeat ``ERROR``
-without running it (``distinct_only``). A backend never
-raises for a per-key condition (missing, pool full, short value); it raises only
-when it cannot serve at all (e.g. closed), which the caller turns into misses.
+without running it (``distinct_only``). Every value of a pool has one size
+(``value_bytes``, given when the backend is opened): a put of segments of
+another total stores nothing, a get of another total is ``CORRUPT`` and
+copies nothing. A backend never raises for a per-key condition (missing,
+pool full, short value); it raises only when it cannot serve at all (e.g.
+closed: ``RuntimeError``), which the caller turns into misses.
 """
 
 from __future__ import annotations
@@ -23,6 +34,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 Segment = tuple[int, int]  # (address, size in bytes)
+
+
+class Memory(enum.Enum):
+    """What a segment points to (see the module docstring)."""
+
+    HOST = "host"  # RAM the CPU addresses: pageable, page-locked or shared
+    DEVICE = "device"  # memory of this process's accelerator (e.g. NPU HBM)
 
 
 class Status(enum.Enum):
@@ -67,32 +85,73 @@ class Backend(ABC):
     ) -> list[Status]:
         """Copy each key's value into its segments in order."""
 
-    def register_memory(self, address: int, size: int) -> None:
-        """Announce a region that segments will point into (KV cache, staging).
+    def register_memory(self, address: int, size: int, memory: Memory = Memory.HOST) -> None:
+        """Announce a region that segments will point into (KV cache, staging), and its kind.
 
         Backends that copy with the CPU need nothing; RDMA-style backends pin
         and register the region once here instead of on every transfer.
+        A kind outside ``segment_memory`` raises ``ValueError``.
         """
+        check_memory(self, memory)
+
+    def segment_memory(self) -> frozenset[Memory]:
+        """Which memory segments may point to: host memory always, device memory where the store can."""
+        return frozenset({Memory.HOST})
+
+    def wants_registration(self) -> bool:
+        """Whether ``register_memory`` matters: the store moves bytes without a
+        CPU copy (zero-copy, RDMA-style) from memory registered with it once.
+        False: the backend copies with the CPU and registering does nothing."""
+        return False
+
+    def describe(self) -> str:
+        """One line for the start-up log: where the values go (pool, service, protocol, ...)."""
+        return type(self).__name__
 
     @abstractmethod
     def close(self) -> None:
         """Release everything the backend holds; later calls fail."""
 
 
+def check_memory(backend: Backend, memory: Memory) -> None:
+    """Raise ``ValueError`` unless ``backend``'s segments may point to ``memory``."""
+    if memory not in backend.segment_memory():
+        accepted = ", ".join(sorted(m.value for m in backend.segment_memory()))
+        raise ValueError(f"{type(backend).__name__}: segments cannot point to {memory.value} memory (only {accepted})")
+
+
 BatchOp = Callable[[Sequence[str], Sequence[Sequence[Segment]]], list[Status]]
 
 
-def distinct_only(op: BatchOp, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
-    """``op`` on the first occurrence of each key; a repeated key is answered ``ERROR``."""
+def distinct_only(
+    op: BatchOp,
+    keys: Sequence[str],
+    segments: Sequence[Sequence[Segment]],
+    value_bytes: int | None = None,
+    wrong_size: Status = Status.ERROR,
+) -> list[Status]:
+    """``op`` on the first occurrence of each key; a repeated key is answered ``ERROR``.
+
+    With ``value_bytes`` (the size of every value of the pool), a key whose
+    segments total another size is answered ``wrong_size`` without being run:
+    a put stores nothing (``ERROR``), a get copies nothing (``CORRUPT``).
+    """
     if len(keys) != len(segments):
         raise ValueError(f"{len(keys)} keys but {len(segments)} segment lists")
-    first: dict[str, int] = {}
-    for i, key in enumerate(keys):
-        first.setdefault(key, i)
-    if len(first) == len(keys):
-        return op(keys, segments)
-    keep = sorted(first.values())
     out = [Status.ERROR] * len(keys)
-    for i, status in zip(keep, op([keys[i] for i in keep], [segments[i] for i in keep])):
-        out[i] = status
+    seen: set[str] = set()
+    keep: list[int] = []
+    for i, (key, segs) in enumerate(zip(keys, segments)):
+        if key in seen:
+            continue
+        seen.add(key)
+        if value_bytes is not None and sum(n for _, n in segs) != value_bytes:
+            out[i] = wrong_size
+        else:
+            keep.append(i)
+    if len(keep) == len(keys):
+        return op(keys, segments)
+    if keep:
+        for i, status in zip(keep, op([keys[i] for i in keep], [segments[i] for i in keep])):
+            out[i] = status
     return out

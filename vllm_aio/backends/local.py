@@ -21,15 +21,24 @@ from vllm_aio.pool.host_pool import SharedHostPool, slots_for
 
 
 class LocalBackend(Backend):
+    """Segments point to host memory (the only kind, see ``base.py``), copied by the CPU: nothing to register."""
+
     def __init__(self, name: str, pool_bytes: int, value_bytes: int, seal: bool) -> None:
         self.pool = SharedHostPool(name, value_bytes, slots_for(pool_bytes, value_bytes))
+        self._pool_bytes = pool_bytes
+        self._closed = False
         if seal:
             self.pool.seal()
 
+    def describe(self) -> str:
+        return f"pool={self.pool.name} size={self._pool_bytes / 2**30:.2f}GiB"
+
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
         return self.pool.contains(keys)
 
     def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+        self._check_open()
         return distinct_only(self._put_distinct, keys, segments)
 
     def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
@@ -61,6 +70,7 @@ class LocalBackend(Backend):
         return out
 
     def batch_get(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+        self._check_open()
         return distinct_only(self._get_distinct, keys, segments)
 
     def _get_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
@@ -86,5 +96,9 @@ class LocalBackend(Backend):
         return out
 
     def close(self) -> None:
+        self._closed = True
         self.pool.close()
 
+    def _check_open(self) -> None:
+        if self._closed:  # the pool's mapping and lock are gone
+            raise RuntimeError("LocalBackend is closed")

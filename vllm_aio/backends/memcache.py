@@ -4,16 +4,16 @@ Its meta service places values in memory that clients contribute (DRAM or NPU
 HBM); a batch moves in one call (``batch_put_from`` / ``batch_get_into``, or the
 ``*_layers`` variants for several segments per key). Learned from 1.3.0 ("seen"):
 
-- Settings: the library's own file, ``$MMC_LOCAL_CONFIG_PATH`` (``ock.mmc.*`` keys),
-  read by the library once, at import (seen). ``setup(LocalConfig)`` would replace
-  it, not merge, so we copy none of its ~40 keys: we read its URLs (probed before
-  ``init``) and add what it lacks: device_id, memory.
+- Settings: the library's own file (``memcache_settings.py``).
 - A memory-owning client needs an Ascend NPU: ``init`` checks the driver before
   any protocol, host_tcp / host_shm included (seen); we name that cause. The
   scheduler's lookup-only client (``init_bm=False``) needs none.
 - Codes (``MmcErrorCode``, mmc_types.h): a put of an existing key returns 0 and
   keeps the old value, so OK; a pool without room answers -1 (seen); -1 / -3000
   on a get may hide a length mismatch, which a lookup settles.
+- Copy types: each call names which side is DRAM and which HBM. Segments are
+  host memory (``base.py``) unless they lie in a region registered as device
+  memory; a batch moves with the copy type of its keys' memory.
 - Bounded failure: with the meta service gone the next call blocks 60 s (seen),
   later ones fail at once. Calls run on daemon threads with a deadline; after a
   timeout or link error, calls answer ERROR at once until a TCP probe (one per
@@ -28,14 +28,16 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm_aio.backends.base import Backend, Segment, Status, distinct_only
-from vllm_aio.backends.mooncake import _MasterLink, tcp_reachable  # shared TCP probe
-from vllm_aio.config import ConfigError
+from vllm_aio.backends.base import Backend, Memory, Segment, Status, check_memory, distinct_only
+from vllm_aio.backends.memcache_settings import ENV_CONFIG_PATH, MemcacheSettings, tcp_address
+from vllm_aio.backends.remote import ABSENT, CallGate, MasterLink, Regions, diagnose, exists_over, tcp_reachable
+
+__all__ = ["MemcacheBackend", "MemcacheSettings", "MemcacheUnavailableError"]
 
 # MmcErrorCode (mmc_types.h, Ascend/memcache) values this backend distinguishes.
 MMC_ERROR = -1  # put: no room (seen); get: missing or length mismatch (source)
@@ -50,10 +52,11 @@ UNMATCHED_STATE = -3101  # the value is still being written
 UNMATCHED_KEY = -3102  # absent (remove / exist, seen)
 LEASE_EXPIRED = -3106  # the value may have been evicted while being read
 UNAVAILABLE = -(1 << 30)  # ours: the call timed out or the link is down
+MIXED_MEMORY = UNAVAILABLE - 1  # ours: a key's segments mix host and device memory (never sent)
 
 # memfabric_hybrid.bm.BmCopyType: which side of the copy is HBM / DRAM.
 L2G, G2L, G2H, H2G = 0, 1, 2, 3
-DIRECTS = {"host": (H2G, G2H), "device": (L2G, G2L)}  # memory -> (put, get)
+DIRECTS = {Memory.HOST: (H2G, G2H), Memory.DEVICE: (L2G, G2L)}  # segments' memory -> (put, get)
 
 _NO_SPACE = frozenset({MMC_ERROR, NOT_ENOUGH_MEMORY, EXCEED_CAPACITY})
 _MISSING = frozenset({OBJECT_NOT_EXISTS, UNMATCHED_KEY, UNMATCHED_STATE})
@@ -62,78 +65,29 @@ _LINK_DOWN = frozenset({UNAVAILABLE, TIMEOUT, LINK_NOT_FOUND, NOT_CONNECT_META, 
 CHUNK = 512  # keys per native call: the smallest batch limit any binding version had
 
 INSTALL_HINT = "pip install 'vllm_aio[memcache]'"
-ENV_CONFIG_PATH = "MMC_LOCAL_CONFIG_PATH"
 DRIVER_FILES = ("/etc/ascend_install.info", "/usr/local/Ascend/driver/version.info")
 # Methods of DistributedObjectStore this module calls (the tests check them against the library).
 STORE_METHODS = ("init", "close", "register_buffer", "batch_is_exist", "batch_put_from", "batch_get_into",
                  "batch_put_from_layers", "batch_get_into_layers", "batch_get_key_info")
 
 
-# One client per process (seen: closing one DistributedObjectStore un-initializes all of the
-# process's), and vLLM runs the scheduler and a TP=1 worker in one process: backends share it.
-_CLIENTS: dict[Any, list] = {}  # store factory -> [store, lookup_only, users]
+@dataclass
+class _Client:
+    """The process's client. One per process (seen: closing one DistributedObjectStore
+    un-initializes all of the process's), and vLLM runs the scheduler and a TP=1
+    worker in one process: their backends share it."""
+
+    store: Any
+    lookup_only: bool  # made by init(init_bm=False): a memory-owning backend cannot use it
+    users: int = 0  # backends not yet closed; the last one frees the store
+
+
+_CLIENTS: dict[Any, _Client] = {}  # store factory -> its client; guarded by _CLIENTS_LOCK
 _CLIENTS_LOCK = threading.Lock()
 
 
 class MemcacheUnavailableError(RuntimeError):
     """The Memcache client cannot be imported, reach its meta service, or start."""
-
-
-@dataclass(frozen=True)
-class MemcacheSettings:
-    config_path: str  # the library's config file (ock.mmc.* keys): $MMC_LOCAL_CONFIG_PATH
-    # Read from the file: the meta service ("tcp://host:port"), its config store (which a
-    # memory-owning client joins) and the transfer protocol (for messages).
-    meta_service_url: str
-    config_store_url: str = ""
-    protocol: str = "host_rdma"
-    device_id: int | None = None  # NPU of this process; None: torch.npu's current one, else 0
-    memory: str | None = None  # segments in "host" DRAM or "device" HBM; None: device if torch_npu is loaded
-    lookup_only: bool = False  # the scheduler's client: looks keys up, contributes no memory, needs no NPU
-
-    def __post_init__(self) -> None:
-        if self.memory is not None and self.memory not in DIRECTS:
-            raise ConfigError(f"memory: expected one of {', '.join(DIRECTS)}, got {self.memory!r}")
-        if self.device_id is not None and (isinstance(self.device_id, bool) or not isinstance(self.device_id, int)):
-            raise ConfigError(f"device_id: expected an integer, got {self.device_id!r}")
-        _tcp_address("ock.mmc.meta_service_url", self.meta_service_url)
-
-    @classmethod
-    def load(cls, inline: Mapping[str, Any] | None = None,
-             environ: Mapping[str, str] | None = None) -> MemcacheSettings:
-        """Settings from ``$MMC_LOCAL_CONFIG_PATH`` (no inline path: the library reads that) and ``inline``."""
-        environ = os.environ if environ is None else environ
-        inline = dict(inline or {})
-        if unknown := sorted(set(inline) - {"device_id", "memory"}):
-            raise ConfigError(f"unknown Memcache setting(s) {', '.join(unknown)}; accepted: device_id, memory")
-        if not (path := environ.get(ENV_CONFIG_PATH)):
-            raise ConfigError(f"{ENV_CONFIG_PATH}: not set; point it to Memcache's local config file "
-                              "(a sample ships in memcache_hybrid/config/mmc-local.conf)")
-        if not (url := (conf := read_conf(path)).get("ock.mmc.meta_service_url")):
-            raise ConfigError(f"ock.mmc.meta_service_url: missing in {path}")
-        return cls(config_path=path, meta_service_url=url,
-                   config_store_url=conf.get("ock.mmc.local_service.config_store_url", ""),
-                   protocol=conf.get("ock.mmc.local_service.protocol", "host_rdma"), **inline)
-
-
-def read_conf(path: str) -> dict[str, str]:
-    """The ``key = value`` lines of a Memcache config file, read as the library does
-    (seen: ``#`` starts a comment line only; after a value it is part of the value)."""
-    try:
-        lines = open(path, encoding="utf-8").read().splitlines()
-    except OSError as e:
-        raise ConfigError(f"{ENV_CONFIG_PATH}: cannot read Memcache config {path}: {e}") from e
-    pairs = (line.partition("=") for line in lines if not line.lstrip().startswith("#"))
-    return {k.strip(): v.strip() for k, sep, v in pairs if sep and k.strip()}
-
-
-def _tcp_address(key: str, url: str) -> str:
-    """``host:port`` of a ``tcp://host:port`` URL."""
-    scheme, sep, rest = str(url).partition("://")
-    host, colon, port = rest.rpartition(":")
-    if scheme != "tcp" or not sep or not colon or not host or not port.isdigit():
-        raise ConfigError(f"{key}: expected 'tcp://host:port', got {url!r}")
-    return f"{host}:{port}"
 
 
 def import_store() -> type:
@@ -162,8 +116,6 @@ class _Runner:
 
     def __init__(self, threads: int = 4) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._cond = threading.Condition()
-        self._busy = 0
         self._threads = threads
         for i in range(threads):
             threading.Thread(target=self._work, name=f"memcache-{i}", daemon=True).start()
@@ -171,25 +123,15 @@ class _Runner:
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             fn, fut = job
-            with self._cond:
-                self._busy += 1
             try:
                 fut.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
-            finally:
-                with self._cond:
-                    self._busy -= 1
-                    self._cond.notify_all()
 
     def run(self, fn: Callable[[], Any], timeout: float) -> Any:
         fut: Future = Future()
         self._jobs.put((fn, fut))
         return fut.result(timeout=timeout)
-
-    def drain(self, timeout: float) -> bool:  # False: a call still runs after ``timeout``
-        with self._cond:
-            return self._cond.wait_for(lambda: self._busy == 0, timeout=timeout)
 
     def stop(self) -> None:  # the threads end after the calls already queued
         for _ in range(self._threads):
@@ -197,29 +139,35 @@ class _Runner:
 
 
 class MemcacheBackend(Backend):
-    """``Backend`` over ``memcache_hybrid.DistributedObjectStore`` (see the module docstring)."""
+    """``Backend`` over ``memcache_hybrid.DistributedObjectStore`` (see the module docstring).
 
-    def __init__(self, settings: MemcacheSettings, *, connect_timeout: float = 3.0, call_timeout: float = 5.0,
-                 init_timeout: float = 30.0, close_timeout: float = 5.0,
+    ``probe_interval``: seconds between probes of a meta service found gone.
+    """
+
+    def __init__(self, settings: MemcacheSettings, *, value_bytes: int | None = None,
+                 connect_timeout: float = 3.0, call_timeout: float = 5.0,
+                 init_timeout: float = 30.0, close_timeout: float = 5.0, probe_interval: float = 0.5,
                  store_factory: Callable[[], Any] | None = None) -> None:
         self.settings = settings = _resolve(settings)
+        self._value_bytes = value_bytes  # of every value; None: any (see base.distinct_only)
         self._call_timeout, self._close_timeout = call_timeout, close_timeout
-        self._closed = False
-        self._link = _MasterLink(_tcp_address("ock.mmc.meta_service_url", settings.meta_service_url))
-        self._registered: list[tuple[int, int]] = []
+        self._gate = CallGate("MemcacheBackend")
+        meta = tcp_address("ock.mmc.meta_service_url", settings.meta_service_url)
+        self._link = MasterLink(meta, probe_interval=probe_interval)
+        self._regions = Regions()  # guarded by _reg_lock
         self._reg_lock = threading.Lock()
         self._factory = factory = store_factory or import_store()
         needs = {"ock.mmc.meta_service_url": settings.meta_service_url}
         if settings.config_store_url and not settings.lookup_only:  # init waits for it (seen: > 30 s)
             needs["ock.mmc.local_service.config_store_url"] = settings.config_store_url
         for key, url in needs.items():
-            if not tcp_reachable(_tcp_address(key, url), connect_timeout):
+            if not tcp_reachable(tcp_address(key, url), connect_timeout):
                 raise MemcacheUnavailableError(
                     f"Memcache: {key} {url} is unreachable (no TCP connection within {connect_timeout:.1f} s); start "
                     f"the meta service (config in $MMC_META_CONFIG_PATH) or fix {key} in {settings.config_path}")
         self._runner = _Runner()
         with _CLIENTS_LOCK:
-            if (shared := _CLIENTS.get(factory)) is None:
+            if (client := _CLIENTS.get(factory)) is None:
                 self._store = factory()
                 try:
                     rc, native = self._runner.run(self._init, init_timeout)
@@ -228,13 +176,14 @@ class MemcacheBackend(Backend):
                 if rc != 0:
                     self._runner.stop()
                     raise MemcacheUnavailableError(self._init_failure(rc, native) if rc is not None else native)
-                shared = _CLIENTS[factory] = [self._store, settings.lookup_only, 0]
-            elif shared[1] and not settings.lookup_only:
+                client = _CLIENTS[factory] = _Client(self._store, settings.lookup_only)
+            elif client.lookup_only and not settings.lookup_only:
                 self._runner.stop()
                 raise MemcacheUnavailableError(
                     "this process already has a lookup-only Memcache client and the library allows one client "
                     "per process: create the memory-owning backend (the worker's) before the scheduler's")
-            self._store, shared[2] = shared[0], shared[2] + 1
+            self._store = client.store
+            client.users += 1
 
     def _init(self) -> tuple[int, str]:
         """The init code and, on failure, memfabric's last error (kept per thread: read it here)."""
@@ -261,18 +210,26 @@ class MemcacheBackend(Backend):
 
     # -- Backend -----------------------------------------------------------
 
-    def register_memory(self, address: int, size: int) -> None:
+    def segment_memory(self) -> frozenset[Memory]:
+        """Host memory; a memory-owning client also moves its NPU's memory (HBM)."""
+        return frozenset({Memory.HOST}) if self.settings.lookup_only else frozenset(Memory)
+
+    def wants_registration(self) -> bool:
+        return not self.settings.lookup_only
+
+    def register_memory(self, address: int, size: int, memory: Memory = Memory.HOST) -> None:
         """Register a region once (a region inside a registered one needs nothing)."""
-        self._open()
+        self._gate.check_open()
+        check_memory(self, memory)
         if self.settings.lookup_only:
             return  # register_buffer segfaults on a lookup-only client (seen)
 
         def register() -> None:
-            self._open()
-            if not any(a <= address and address + size <= a + n for a, n in self._registered):
-                if (rc := self._store.register_buffer(address, size)) != 0:
-                    raise RuntimeError(f"Memcache register_buffer({address:#x}, {size}) failed with code {rc}")
-                self._registered.append((address, size))
+            with self._gate.call():
+                if not self._regions.covers(address, size):
+                    if (rc := self._store.register_buffer(address, size)) != 0:
+                        raise RuntimeError(f"Memcache register_buffer({address:#x}, {size}) failed with code {rc}")
+                    self._regions.add(address, size, memory)
 
         with self._reg_lock:
             try:
@@ -280,19 +237,23 @@ class MemcacheBackend(Backend):
             except FutureTimeout:
                 raise RuntimeError(f"Memcache register_buffer took over {self._call_timeout:.0f} s") from None
 
+    def describe(self) -> str:
+        s = self.settings
+        role = " lookup-only" if s.lookup_only else ""
+        return (f"meta_service={s.meta_service_url} protocol={s.protocol} device_id={s.device_id}{role} "
+                f"config={ENV_CONFIG_PATH}={s.config_path}")
+
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        keys = list(keys)
-        codes = self._call(len(keys), lambda idx: self._store.batch_is_exist([keys[i] for i in idx]))
-        return [c == 1 for c in codes]
+        return exists_over(self._call, self._store.batch_is_exist, keys)
 
     def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
-        return distinct_only(self._put_distinct, keys, segments)
+        return distinct_only(self._put_distinct, keys, segments, self._value_bytes, Status.ERROR)
 
     def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
         return [put_status(c) for c in self._move(keys, segments, put=True)]
 
     def batch_get(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
-        return distinct_only(self._get_distinct, keys, segments)
+        return distinct_only(self._get_distinct, keys, segments, self._value_bytes, Status.CORRUPT)
 
     def _get_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
         codes = self._move(keys, segments, put=False)
@@ -309,15 +270,14 @@ class MemcacheBackend(Backend):
         A call still stuck in the client keeps it alive: freeing it under the
         call could crash the process; the library frees it at exit.
         """
-        if self._closed:
+        if self._gate.closed:
             return
-        self._closed = True
-        idle = self._runner.drain(self._close_timeout)
+        idle = self._gate.close(self._close_timeout)
         self._runner.stop()
         with _CLIENTS_LOCK:
-            shared = _CLIENTS[self._factory]
-            shared[2] -= 1
-            if shared[2] == 0:
+            client = _CLIENTS[self._factory]
+            client.users -= 1
+            if client.users == 0:
                 del _CLIENTS[self._factory]
                 if idle:
                     self._store.close()
@@ -325,12 +285,23 @@ class MemcacheBackend(Backend):
     # -- store calls ---------------------------------------------------------
 
     def _move(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], put: bool) -> list[int]:
-        """Codes of one batched put or get: single-buffer calls when every key has one segment."""
+        """Codes of one batched put or get, one native batch per kind of memory the keys' segments are in."""
         if len(keys) != len(segments):
             raise ValueError(f"{len(keys)} keys but {len(segments)} segment lists")
         if self.settings.lookup_only:
             raise RuntimeError("this Memcache client is lookup-only (the scheduler's); it cannot move values")
-        direct = DIRECTS[self.settings.memory][0 if put else 1]
+        kinds = [self._regions.memory_of(segs) for segs in segments]
+        codes = [MIXED_MEMORY] * len(keys)
+        for memory in {k for k in kinds if k is not None}:
+            idx = [i for i, k in enumerate(kinds) if k is memory]
+            moved = self._move_in(memory, [keys[i] for i in idx], [segments[i] for i in idx], put)
+            for i, code in zip(idx, moved):
+                codes[i] = code
+        return codes
+
+    def _move_in(self, memory: Memory, keys: list[str], segments: list[Sequence[Segment]], put: bool) -> list[int]:
+        """Codes of keys whose segments all lie in ``memory``: single-buffer calls when each has one segment."""
+        direct = DIRECTS[memory][0 if put else 1]
         if all(len(s) == 1 for s in segments):
             single = self._store.batch_put_from if put else self._store.batch_get_into
             return self._call(len(keys), lambda idx: single(
@@ -348,19 +319,15 @@ class MemcacheBackend(Backend):
             codes += self._bounded(len(idx), lambda idx=idx: call(idx))
         return codes
 
-    def _open(self) -> None:
-        if self._closed:
-            raise RuntimeError("MemcacheBackend is closed")
-
     def _bounded(self, n: int, fn: Callable[[], list[Any]]) -> list[Any]:
         """``fn()`` on a runner thread: its codes, or UNAVAILABLE for all after the deadline or while down."""
-        self._open()
+        self._gate.check_open()
         if not self._link.usable():
             return [UNAVAILABLE] * n
 
         def guarded() -> list[Any]:
-            self._open()  # checked on the runner thread: close() waits for what got past it
-            return fn()
+            with self._gate.call():  # on the runner thread: close() waits for what got past it
+                return fn()
 
         try:
             codes = self._runner.run(guarded, self._call_timeout)
@@ -378,18 +345,16 @@ class MemcacheBackend(Backend):
         present = [k for k, e in zip(keys, exist) if e == 1]
         infos = self._call(len(present), lambda idx: self._store.batch_get_key_info([present[i] for i in idx]))
         sizes = {k: info.size() for k, info in zip(present, infos) if not isinstance(info, int)}
-        return [
-            Status.MISSING if e == 0
-            else Status.CORRUPT if sizes.get(key, 0) not in (0, want)
-            else Status.ERROR
-            for key, e, want in zip(keys, exist, expected)
-        ]
+
+        def stored(key: str, exists: int) -> int | None:  # size 0: the lookup did not say
+            return ABSENT if exists == 0 else (sizes.get(key) or None) if exists == 1 else None
+
+        return [diagnose(stored(key, e), want) for key, e, want in zip(keys, exist, expected)]
 
 
 def _resolve(settings: MemcacheSettings) -> MemcacheSettings:
-    """Fill ``device_id`` and ``memory`` from the process: NPU ones when torch_npu is loaded."""
+    """Fill ``device_id`` from the process: torch.npu's current device when torch_npu is loaded, else 0."""
+    if settings.device_id is not None:
+        return settings
     npu = sys.modules.get("torch_npu") is not None
-    device_id = settings.device_id
-    if device_id is None:
-        device_id = int(sys.modules["torch"].npu.current_device()) if npu else 0
-    return replace(settings, device_id=device_id, memory=settings.memory or ("device" if npu else "host"))
+    return replace(settings, device_id=int(sys.modules["torch"].npu.current_device()) if npu else 0)

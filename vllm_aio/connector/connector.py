@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from vllm_aio.backends import create_backend
+from vllm_aio.backends import Backend, create_backend
 from vllm_aio.config import parse_extra_config
 from vllm_aio.connector.deployment import build_deployment
 from vllm_aio.connector.metadata import AioConnectorMetadata
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from vllm_aio.config import AioConfig
+    from vllm_aio.connector.deployment import Deployment
     from vllm_aio.pool.ownership import Topology
 
 logger = get_logger(__name__)
@@ -50,15 +52,20 @@ class AioConnector(KVConnectorBase_V1):
         cfg = parse_extra_config(transfer.kv_connector_extra_config)
         dep = build_deployment(vllm_config, kv_cache_config, cfg)
         is_scheduler = role == KVConnectorRole.SCHEDULER
-        backend = create_backend(cfg, dep.pool_name, dep.value_bytes, for_scheduler=is_scheduler)
+        backend = self.open_backend(cfg, dep, is_scheduler)
         self._scheduler: AioScheduler | None = None
         self._worker: AioWorker | None = None
         self._num_blocks = kv_cache_config.num_blocks
         if is_scheduler:
             self._scheduler = AioScheduler(dep, backend)
-            _log_start(cfg, dep, transfer)
+            _log_start(cfg, dep, transfer, backend)
         else:
             self._worker = AioWorker(dep, backend, Ownership(_topology(dep)), cfg)
+
+    def open_backend(self, cfg: "AioConfig", dep: "Deployment", for_scheduler: bool) -> Backend:
+        """The pool store this half uses. The one seam for subclasses (the tests'
+        fault-injecting and recording connectors wrap what it returns)."""
+        return create_backend(cfg, dep.pool_name, dep.value_bytes, for_scheduler=for_scheduler)
 
     # ---- worker side -------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
@@ -142,17 +149,13 @@ def _transfer_mode(cfg) -> str:
     return "async" if cfg.load_async else "per-block"
 
 
-def _log_start(cfg, dep, transfer) -> None:
-    if cfg.backend == "local":
-        store = f"pool={dep.pool_name} size={cfg.local_pool_size / 2**30:.2f}GiB"
-    else:
-        store = " ".join(f"{k}={v}" for k, v in sorted(cfg.mooncake.items())) or "settings from MOONCAKE_CONFIG_PATH"
+def _log_start(cfg, dep, transfer, backend) -> None:
     logger.info(
         "vllm_aio: AioConnector role=%s backend=%s %s load=%s save=%s transfer=%s "
         "save_decode_cache=%s block_size=%d value_bytes=%d namespace=%s (%s)",
         transfer.kv_role,
         cfg.backend,
-        store,
+        backend.describe(),
         dep.load_enabled,
         dep.save_enabled,
         _transfer_mode(cfg),

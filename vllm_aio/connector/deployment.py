@@ -36,7 +36,7 @@ class Deployment:
     load_enabled: bool
     save_enabled: bool
     save_decode_cache: bool
-    pool_name: str  # the embedded pool's name (local backend)
+    pool_name: str  # the embedded pool's name unless local_pool_name is set: private to this engine
     num_kv_heads: int  # in the whole model (MLA: see use_mla)
     use_mla: bool
 
@@ -102,7 +102,7 @@ def build_deployment(
         save_enabled=role in ("kv_both", "kv_producer")
         or (role == "kv_consumer" and cfg.consumer_is_to_put),
         save_decode_cache=cfg.save_decode_cache,
-        pool_name=cfg.local_pool_name or f"engine-{vllm_config.kv_transfer_config.engine_id}",
+        pool_name=f"engine-{vllm_config.kv_transfer_config.engine_id}",
         num_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
         use_mla=bool(vllm_config.model_config.use_mla),
     )

@@ -1,0 +1,138 @@
+"""Every benchmark's ``--quick`` run, in a subprocess: it exits 0, prints its table and writes its results.
+
+Benchmarks measure, tests do not: this only keeps the scripts from rotting
+(an API they call changed, a size they compute went stale). The two scripts
+that run real vLLM engines take a minute or more, mostly starting engines:
+they start side by side when the first test runs and their tests wait for
+them, while the others run one at a time meanwhile. Under ``CI`` a missing
+prerequisite fails the test, as ``conftest.require`` does, instead of
+skipping it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+BENCHMARKS = ROOT / "benchmarks"
+TIMEOUT_S = 300  # per script, from its start (a guard against hangs)
+# script -> (what it needs beyond torch, the first column of a table it prints)
+SCRIPTS = {
+    "block_io_device": ((), "case"),
+    "layer_pipeline": ((), "prefix tokens"),
+    "dynamic_buffer": ((), "phase"),
+    "pool_bandwidth": ((), "case"),
+    "mooncake_backend": (("mooncake",), "case"),
+    "ttft": (("vllm",), "model"),
+    "mooncake_ttft": (("vllm", "mooncake"), "model"),
+}
+ENGINE_SCRIPTS = ("ttft", "mooncake_ttft")
+
+
+def missing(needs: tuple[str, ...]) -> str | None:
+    """Why a script cannot run here, or None (without importing vLLM: that takes seconds)."""
+    for need in needs:
+        if need == "vllm" and importlib.util.find_spec("vllm") is None:
+            return "vllm is not installed"
+        if need == "mooncake":
+            try:
+                importlib.import_module("mooncake.store")
+                from vllm_aio.devtools.mooncake_pool import find_binary
+
+                find_binary("mooncake_master")
+                find_binary("mooncake_client")
+            except Exception as exc:  # ImportError, OSError (libibverbs), PoolError
+                return f"Mooncake cannot run here: {exc}"
+    return None
+
+
+@dataclass
+class Run:
+    proc: subprocess.Popen
+    log: Path
+    results: Path
+    deadline: float  # time.monotonic()
+
+    @classmethod
+    def start(cls, script: str, out: Path, env: dict[str, str] | None = None) -> Run:
+        log = out / f"{script}.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(
+                [sys.executable, str(BENCHMARKS / f"{script}.py"), "--quick", "--json", str(out / f"{script}.json")],
+                cwd=ROOT, env={**os.environ, **(env or {})}, stdout=f, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        return cls(proc, log, out / f"{script}.json", time.monotonic() + TIMEOUT_S)
+
+    def wait(self) -> str:
+        try:
+            self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGINT)  # KeyboardInterrupt: the script kills its engines
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("benchmarks")
+
+
+@pytest.fixture(scope="module")
+def engine_runs(request, out: Path) -> Iterator[dict[str, Run]]:
+    """The ``--quick`` run of each selected engine script whose prerequisites are here, started at once."""
+    selected = {item.callspec.params["script"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")}
+    runnable = [s for s in ENGINE_SCRIPTS if s in selected and missing(SCRIPTS[s][0]) is None]
+    if runnable:  # the tiny model, built once here rather than by two scripts at once
+        from vllm_aio.devtools.tiny_model import PRESETS, ensure_model
+
+        ensure_model(ROOT / "models" / "tiny", PRESETS["tiny"])
+    runs = {script: Run.start(script, out) for script in runnable}
+    yield runs
+    for run in runs.values():  # a test that failed early leaves nothing running
+        if run.proc.poll() is None:
+            os.killpg(run.proc.pid, signal.SIGINT)
+            run.wait()
+
+
+def has_table(output: str, first_column: str) -> bool:
+    """A markdown table whose first column is ``first_column``, with at least one row."""
+    lines = output.splitlines()
+    return any(
+        re.match(rf"\| *{re.escape(first_column)} +\|", line) and re.fullmatch(r"\|[-:|]+\|", lines[i + 1])
+        and lines[i + 2].startswith("|")
+        for i, line in enumerate(lines[:-2])
+    )
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_quick_run(script: str, engine_runs: dict[str, Run], out: Path) -> None:
+    needs, first_column = SCRIPTS[script]
+    if reason := missing(needs):
+        if os.environ.get("CI"):
+            pytest.fail(f"CI requires what {script}.py needs: {reason}", pytrace=False)
+        pytest.skip(reason)
+    # One torch thread beside the engines: threads spinning at OpenMP barriers on busy cores made a
+    # two-second run take a minute, and slowed the engines down too.
+    run = engine_runs.get(script) or Run.start(script, out, env={"OMP_NUM_THREADS": "1"})
+    output = run.wait()
+    assert run.proc.returncode == 0, f"{script}.py --quick exited {run.proc.returncode}:\n{output[-6000:]}"
+    assert has_table(output, first_column), f"{script}.py --quick printed no table:\n{output[-6000:]}"
+    assert run.results.exists(), f"{script}.py --quick wrote no {run.results}"
