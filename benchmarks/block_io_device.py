@@ -13,6 +13,15 @@ after ``--warmup``; every timing starts and ends with a device synchronize):
   page-locked staging), header check, one host-to-device copy, on-device
   scatter into the paged cache.
 
+Those two are the *staged* path (what Mooncake and Memcache take, and the
+embedded pool where the device cannot map host memory). Where it can (CUDA),
+``open_block_io`` picks the *direct* path (``connector/mapped_slots.py``), timed
+side by side as ``direct save`` / ``direct load``: the pool's slots are mapped
+into the device once, a load is one gather kernel reading the slots plus the
+on-device scatter, a save the on-device gather plus one scatter kernel writing
+the slots; no host memcpy, no staging. Its stage ceilings (second table):
+``slot gather`` / ``slot scatter``, the kernels alone on the mapped slots.
+
 GB/s everywhere is payload bytes (the KV bytes of the batch, headers excluded)
 over wall time. The KV cache is Llama-3-8B's per rank at TP=1: 32 layers, each
 ``[2, num_blocks, 16, 8, 128]`` bf16 (FlashAttention's layout: a K and a V
@@ -77,6 +86,8 @@ from vllm_aio.backends import Status  # noqa: E402
 from vllm_aio.backends.local import LocalBackend  # noqa: E402
 from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff, open_block_io  # noqa: E402
 from vllm_aio.connector.block_layout import BlockLayout  # noqa: E402
+from vllm_aio.connector.staging import StagingBuffer  # noqa: E402
+from vllm_aio.device import Device  # noqa: E402
 from vllm_aio.pool import host_pool  # noqa: E402
 from vllm_aio.pool.entry import HEADER_BYTES  # noqa: E402
 from vllm_aio.pool.keys import Unit  # noqa: E402
@@ -90,9 +101,9 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 def load_and_wait(io: BlockIO, blocks: list[BlockRef], unit: Unit) -> list[Status]:
     """BlockIO.load as the worker uses it: the current stream waits for the copies."""
-    statuses, copied = io.load(blocks, unit)
-    io.device.wait(copied)
-    return statuses
+    loaded = io.load(blocks, unit)
+    io.device.wait(loaded.copied)
+    return loaded.settle()
 
 
 # ---------------------------------------------------------------- one case
@@ -156,8 +167,11 @@ class Bench:
         tag = uuid.uuid4().hex[:8]
         backend = LocalBackend(f"bench-bio-{tag}", slots * value, value, seal=True)
         try:
-            io = open_block_io(self.caches, self.names, self.num_blocks, backend, header(self.m.block_size),
-                               self.max_bytes, 30.0)
+            direct = open_block_io(self.caches, self.names, self.num_blocks, backend, header(self.m.block_size),
+                                   self.max_bytes, 30.0)
+            device = Device(dev)
+            io = BlockIO(self.layout, backend, header(self.m.block_size), StagingBuffer(device, self.max_bytes),
+                         StagingBuffer(device, self.max_bytes), 30.0)  # the staged path, forced
             pool = backend.pool
             pool._data[:] = 0  # pre-fault every page of the pool (internal view; untimed)
             host_rows = [[(self.host_a.data_ptr() + i * value, value)] for i in range(n)]
@@ -182,7 +196,7 @@ class Bench:
                 r = next(counter)
                 return [BlockRef(bid, f"{tag}:{kind}:{r}:{i}".encode()) for i, bid in enumerate(src_ids)]
 
-            def do_save() -> None:
+            def do_save(io: BlockIO = io) -> None:
                 refs, handoff = fresh("save"), CopyHandoff()
                 expect(io.save(refs, unit, io.device.record(), handoff), Status.OK, "BlockIO.save")
 
@@ -204,6 +218,17 @@ class Bench:
                 "save": lambda: wall(acc, do_save),
                 "pool_put": lambda: wall(acc, do_put),
             }
+            if direct.direct:
+                slots = torch.tensor([p[0] for p in pool.pin_for_read(load_keys)], dtype=torch.int64, device=dev)
+                mapped = device.map_host(*pool.region())
+                rows = mapped.tensor.view(torch.int64).view(-1, value // 8)
+                words = dev_rows.view(torch.int64)
+                reads["direct_load"] = lambda: wall(acc, lambda: expect(load_and_wait(direct, into, unit), Status.OK,
+                                                                        "direct BlockIO.load"))
+                writes["direct_save"] = lambda: wall(acc, lambda: do_save(direct))
+                reads["slot_gather"] = lambda: events(lambda: torch.index_select(rows, 0, slots, out=words))
+                writes["slot_scatter"] = lambda: events(
+                    lambda: rows[:, HEADER_BYTES // 8:].index_copy_(0, slots, words[:, HEADER_BYTES // 8:]))
             if acc.is_async:
                 reads["h2d"] = lambda: events(lambda: dev_rows.copy_(a.view(n, value), non_blocking=True))
                 writes["d2h"] = lambda: events(lambda: a.view(n, value).copy_(dev_rows, non_blocking=True))
@@ -224,11 +249,14 @@ class Bench:
                         t = group[op]()
                         if rep >= args.warmup:
                             samples[op].append(t)
-                        if op == "load" and rep == 0:  # before the scatter ceiling writes those blocks
-                            row["check"] = self._check(unit, src_ids, dst_ids)
+                        if op in ("load", "direct_load") and rep == 0:  # before the scatter ceiling writes them
+                            row["check" if op == "load" else "direct_check"] = self._check(unit, src_ids, dst_ids)
             row["evictions_timed"] = pool.usage().evictions - (evictions0 or 0)
             row["pool_full"] = full
         finally:
+            if direct.direct:
+                mapped.release()
+            direct.close()
             backend.close()
         med = {k: statistics.median(v) for k, v in samples.items()}
         gbps = lambda nbytes, s: nbytes / s / 1e9  # noqa: E731
@@ -238,6 +266,14 @@ class Bench:
             "pool_get_GBps": gbps(batch, med["pool_get"]), "pool_put_GBps": gbps(batch, med["pool_put"]),
             "host_memcpy_GBps": gbps(batch, med["host_memcpy"]), "memmove_1t_GBps": gbps(batch, med["memmove_1t"]),
         })
+        if "direct_load" in med:
+            row.update({
+                "direct_load_GBps": gbps(n * payload, med["direct_load"]),
+                "direct_save_GBps": gbps(n * payload, med["direct_save"]),
+                "slot_gather_GBps": gbps(batch, med["slot_gather"]), "slot_scatter_GBps": gbps(batch, med["slot_scatter"]),
+                "direct_load_stage_sum_s": med["slot_gather"] + med["scatter"],
+                "direct_save_stage_sum_s": med["gather"] + med["slot_scatter"],
+            })
         if acc.is_async:
             row.update({
                 "h2d_GBps": gbps(batch, med["h2d"]), "d2h_GBps": gbps(batch, med["d2h"]),
@@ -247,8 +283,12 @@ class Bench:
             })
             row["load_over_h2d"] = row["load_GBps"] / row["h2d_GBps"]
             row["save_over_d2h"] = row["save_GBps"] / row["d2h_GBps"]
-        print(f"  {case.unit_name} x {n}: load {row['load_GBps']:.2f} GB/s, save {row['save_GBps']:.2f} GB/s, "
-              f"check {row.get('check')}, evictions {row['evictions_timed']}", flush=True)
+            if "direct_load_GBps" in row:
+                row["direct_load_over_h2d"] = row["direct_load_GBps"] / row["h2d_GBps"]
+                row["direct_save_over_d2h"] = row["direct_save_GBps"] / row["d2h_GBps"]
+        print(f"  {case.unit_name} x {n}: direct load {fmt(row, 'direct_load_GBps')} GB/s, direct save "
+              f"{fmt(row, 'direct_save_GBps')} GB/s; staged load {row['load_GBps']:.2f} GB/s, save {row['save_GBps']:.2f} GB/s, "
+              f"check {row.get('check')}, direct check {row.get('direct_check', 'n/a')}, evictions {row['evictions_timed']}", flush=True)
         return row
 
     def _check(self, unit: Unit, src: list[int], dst: list[int]) -> str:
@@ -270,12 +310,31 @@ def fmt(row: dict, key: str, spec: str = ".2f") -> str:
 
 def print_tables(rows: list[dict]) -> None:
     done = [r for r in rows if "skipped" not in r]
+
+    def ms(r: dict, k: str) -> str:
+        return "n/a" if k not in r["median_s"] else f"{r['median_s'][k] * 1e3:.2f}"
+
+    def sum_ms(r: dict, k: str) -> str:
+        return "n/a" if k not in r else f"{r[k] * 1e3:.2f}"
+
     print_markdown(
-        ["case", "blocks", "MiB", "save GB/s", "load GB/s", "pool-only get GB/s", "pool-only put GB/s",
-         "pinned H2D GB/s", "pinned D2H GB/s", "host memcpy GB/s", "load/H2D"],
-        [[r["case"], str(r["blocks"]), f"{r['payload_bytes'] / MiB:g}", fmt(r, "save_GBps"), fmt(r, "load_GBps"),
-          fmt(r, "pool_get_GBps"), fmt(r, "pool_put_GBps"), fmt(r, "h2d_GBps"), fmt(r, "d2h_GBps"),
-          fmt(r, "host_memcpy_GBps"), fmt(r, "load_over_h2d", ".2f")] for r in done])
+        ["case", "blocks", "MiB", "direct load GB/s", "direct save GB/s", "pinned H2D GB/s", "pinned D2H GB/s",
+         "direct load/H2D", "direct save/D2H", "staged load GB/s", "staged save GB/s", "staged load/H2D",
+         "pool-only get GB/s", "pool-only put GB/s", "host memcpy GB/s"],
+        [[r["case"], str(r["blocks"]), f"{r['payload_bytes'] / MiB:g}", fmt(r, "direct_load_GBps"),
+          fmt(r, "direct_save_GBps"), fmt(r, "h2d_GBps"), fmt(r, "d2h_GBps"), fmt(r, "direct_load_over_h2d"),
+          fmt(r, "direct_save_over_d2h"), fmt(r, "load_GBps"), fmt(r, "save_GBps"), fmt(r, "load_over_h2d"),
+          fmt(r, "pool_get_GBps"), fmt(r, "pool_put_GBps"), fmt(r, "host_memcpy_GBps")] for r in done])
+    print_markdown(
+        ["case", "blocks", "direct load ms", "slot gather", "scatter", "sum", "direct save ms", "gather",
+         "slot scatter", "sum", "slot gather GB/s", "slot scatter GB/s", "check"],
+        [[r["case"], str(r["blocks"]), ms(r, "direct_load"), ms(r, "slot_gather"), ms(r, "scatter"),
+          sum_ms(r, "direct_load_stage_sum_s"), ms(r, "direct_save"), ms(r, "gather"), ms(r, "slot_scatter"),
+          sum_ms(r, "direct_save_stage_sum_s"), fmt(r, "slot_gather_GBps"), fmt(r, "slot_scatter_GBps"),
+          r.get("direct_check", "n/a")]
+         for r in done if "direct_load" in r["median_s"]],
+        title="Direct path stages (median ms; kernels only, no host memcpy: load = slot gather + scatter, "
+              "save = gather + slot scatter)")
     def ms(r: dict, k: str) -> str:
         return "n/a" if k not in r["median_s"] else f"{r['median_s'][k] * 1e3:.2f}"
 
@@ -291,8 +350,8 @@ def print_tables(rows: list[dict]) -> None:
           sum_ms(r, "save_stage_sum_s"),
           fmt(r, "memmove_1t_GBps"), fmt(r, "scatter_GBps"), fmt(r, "gather_GBps"),
           "yes" if r["pool_full"] else "no", r["check"]] for r in done],
-        title="Stages (median ms; load = pool get + H2D + scatter, save = gather + D2H + pool put, run one after "
-              "the other inside BlockIO)")
+        title="Staged path stages (median ms; load = pool get + H2D + scatter, save = gather + D2H + pool put, "
+              "run one after the other inside BlockIO)")
     for r in rows:
         if "skipped" in r:
             print(f"\nskipped: {r['case']} x {r['blocks']}: {r['skipped']}")
@@ -312,7 +371,10 @@ def conclusion(rows: list[dict]) -> str:
 
     load_b = bound({"pool memcpy": med["pool_get"], "PCIe H2D": med["h2d"], "device scatter": med["scatter"]})
     save_b = bound({"pool memcpy": med["pool_put"], "PCIe D2H": med["d2h"], "device gather": med["gather"]})
-    return (f"Bound ({big['case']} x {big['blocks']}): load by {load_b}, save by {save_b}; the stages run "
+    direct = " ".join(
+        f"Direct path, {r['case']} x {r['blocks']}: load {r['direct_load_over_h2d']:.0%} of pinned H2D, save "
+        f"{r['direct_save_over_d2h']:.0%} of pinned D2H." for r in done if "direct_load_over_h2d" in r)
+    return direct + " " + (f"Staged path bound ({big['case']} x {big['blocks']}): load by {load_b}, save by {save_b}; the stages run "
             f"serially, load reaches {big['load_over_h2d']:.0%} of pinned H2D ({big['load_GBps']:.1f} of "
             f"{big['h2d_GBps']:.1f} GB/s), save {big['save_over_d2h']:.0%} of pinned D2H "
             f"({big['save_GBps']:.1f} of {big['d2h_GBps']:.1f} GB/s).")

@@ -121,7 +121,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_aio.backends import Status  # noqa: E402
 from vllm_aio.backends.local import LocalBackend  # noqa: E402
-from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff, open_block_io  # noqa: E402
+from vllm_aio.connector.block_io import Loaded, BlockIO, BlockRef, CopyHandoff, open_block_io  # noqa: E402
 from vllm_aio.connector.transfer import TransferThread  # noqa: E402
 from vllm_aio.pool.entry import HEADER_BYTES  # noqa: E402
 from vllm_aio.pool.keys import Unit  # noqa: E402
@@ -282,6 +282,7 @@ class AioPath:
         self.recv = TransferThread("bench-recv")
         self.wait_ms = 0.0
         self.failed = 0
+        self.unsettled: list[Loaded] = []
         # The pool gets every layer of the prefix: the host regions' constants, loaded, then saved per layer.
         prefix.run("load", w, None)
         t0 = time.perf_counter()
@@ -298,16 +299,16 @@ class AioPath:
         return open_block_io(caches, self.names, self.prefix.caches[0].shape[0], self.backend,
                              header(self.prefix.m.block_size), staging_bytes, timeout)
 
-    def _load(self, unit: Unit) -> tuple[list[Status], torch.Event | None]:
+    def _load(self, unit: Unit) -> Loaded:
         return self.io.load(self.refs, unit)
 
     def _result(self, future) -> None:
         """The worker's wait_for_layer_load: the compute stream waits for the layer's copies."""
         t0 = time.perf_counter()
-        statuses, copied = future.result(timeout=30.0)
-        self.io.device.wait(copied)
+        loaded = future.result(timeout=30.0)
+        self.io.device.wait(loaded.copied)
         self.wait_ms += (time.perf_counter() - t0) * 1e3
-        self.failed += sum(st is not Status.OK for st in statuses)
+        self.unsettled.append(loaded)  # settled after the pass, as the worker does at the end of a step
 
     def run(self, mode: str, w: Weights, x0: torch.Tensor | None, check: torch.Tensor | None = None) -> float:
         prefix, L = self.prefix, self.prefix.m.layers
@@ -341,7 +342,11 @@ class AioPath:
                 x = forward_layer(prefix.m, w, x, prefix.caches[layer], prefix.block_ids, check, layer)
 
         with acc.attention_backends():
-            return timed(acc, enqueue)
+            ms = timed(acc, enqueue)
+        for loaded in self.unsettled:
+            self.failed += sum(st is not Status.OK for st in loaded.settle())
+        self.unsettled = []
+        return ms
 
     def check(self, w: Weights, x0: torch.Tensor) -> dict:
         want = torch.tensor([self.prefix.expected(i) for i in range(self.prefix.m.layers)])
@@ -362,8 +367,8 @@ class AioPath:
             return "not run on the CPU (its loads bypass staging)"
         io = self._open(256 * MiB, 1.0)
         every = Unit(tuple(range(self.prefix.m.layers)), None)
-        statuses, copied = io.load(self.refs, every)
-        io.device.synchronize(copied)
+        loaded = io.load(self.refs, every)
+        statuses = loaded.settle()
         counts = {st.value: statuses.count(st) for st in set(statuses)}
         value = io.value_bytes(every)
         return f"{len(self.refs)} values of {value / MiB:.2f} MiB ({len(self.refs) * value / GiB:.2f} GiB) -> {counts}"

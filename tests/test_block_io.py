@@ -1,8 +1,11 @@
 """``BlockIO`` over the real embedded pool, on the CPU and, where present, an accelerator.
 
-On an accelerator the KV cache lives in device memory and every value passes
-through page-locked staging: these tests are the ones that exercise that path
-(run them on a GPU machine: ``python -m pytest tests/test_block_io.py``).
+On an accelerator the KV cache lives in device memory and a value either
+passes through page-locked staging or moves straight between the pool's slots
+and the cache (``mapped_slots.py``); each case runs both paths. The direct
+path runs on the CPU too (the pool's memory is its own mapping there), so its
+logic is checked without a GPU; on a GPU machine run
+``python -m pytest tests/test_block_io.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff
 from vllm_aio.connector.block_layout import BlockLayout
+from vllm_aio.connector.mapped_slots import MappedSlots
 from vllm_aio.connector.staging import StagingBuffer
 from vllm_aio.device import Device
 from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader
@@ -23,7 +27,8 @@ from vllm_aio.pool.keys import Unit
 
 LAYERS, NUM_BLOCKS = ("l0", "l1", "l2"), 12
 SHAPES = {"block_major": (NUM_BLOCKS, 2, 16, 64), "kv_split": (2, NUM_BLOCKS, 16, 4, 16)}
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# "+direct": values move straight between pool slots and the cache.
+DEVICES = [d + path for d in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) for path in ("", "+direct")]
 EVERY_LAYER, LAYER_1 = Unit((0, 1, 2), None), Unit((1,), 1)
 
 
@@ -31,6 +36,7 @@ def make_io(
     device: str, shape: tuple[int, ...], backend: LocalBackend | None, seed: int, shard: str = "pp0.dcp0.h0",
     staging: int = 1 << 20,
 ):
+    device, _, direct = device.partition("+")
     g = torch.Generator().manual_seed(seed)
     caches = {n: torch.randn(shape, generator=g).to(torch.bfloat16).to(device) for n in LAYERS}
     layout = BlockLayout(caches, LAYERS, NUM_BLOCKS)
@@ -38,15 +44,17 @@ def make_io(
     value = HEADER_BYTES + layout.payload_bytes(EVERY_LAYER.layers)
     backend = backend or LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, value, seal=True)
     header = EntryHeader("0123456789abcdef", shard, -1, 16, 0)
-    io = BlockIO(layout, backend, header, StagingBuffer(dev, staging), StagingBuffer(dev, staging), 5.0)
+    slots = MappedSlots.open(backend.slots(), layout, dev) if direct else None
+    assert slots is not None or not direct
+    io = BlockIO(layout, backend, header, StagingBuffer(dev, staging), StagingBuffer(dev, staging), 5.0, slots)
     return io, caches, backend
 
 
 def loaded(io: BlockIO, blocks, unit) -> list[Status]:
     """A load, waited for as the forward thread would (its stream after the copy event)."""
-    statuses, copied = io.load(blocks, unit)
-    io.device.wait(copied)
-    return statuses
+    result = io.load(blocks, unit)
+    io.device.wait(result.copied)
+    return result.settle()
 
 
 def refs(block_ids, tag="b"):
@@ -208,3 +216,35 @@ def test_blocks_sharing_a_key_in_one_save_are_put_once(device_and_shape):
     statuses = saver.save(batch, EVERY_LAYER, saver.device.record(), CopyHandoff())
     assert statuses == [Status.OK, Status.OK, Status.EXISTS, Status.EXISTS]
     assert backend.pool.usage().num_ready == 2
+
+
+DIRECT_DEVICES = [d for d in DEVICES if d.endswith("+direct")]
+
+
+@pytest.mark.parametrize("device", DIRECT_DEVICES)
+def test_a_slot_rewritten_after_a_direct_load_began_is_reported_corrupt(device):
+    shape = SHAPES["kv_split"]
+    value = make_io(device, shape, None, seed=1)[0].value_bytes(EVERY_LAYER)
+    backend = LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 2 * value, value, seal=True)  # two slots
+    saver, _, _ = make_io(device, shape, backend, seed=1)
+    assert saver.save(refs([3, 7]), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK] * 2
+    loader, _, _ = make_io(device, shape, backend, seed=2)
+    result = loader.load(refs([0, 5]), EVERY_LAYER)
+    assert result.statuses == [Status.OK, Status.OK]
+    # Both slots are evicted and rewritten under other keys before the load has settled.
+    assert saver.save(refs([1, 2], tag="other"), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK] * 2
+    assert result.settle() == [Status.CORRUPT, Status.CORRUPT]
+
+
+@pytest.mark.parametrize("device", DIRECT_DEVICES)
+def test_a_direct_save_that_raises_gives_its_reserved_slot_back(device, monkeypatch):
+    shape = SHAPES["kv_split"]
+    value = make_io(device, shape, None, seed=1)[0].value_bytes(EVERY_LAYER)
+    backend = LocalBackend(f"io-{uuid.uuid4().hex[:8]}", value, value, seal=True)  # one slot
+    saver, _, _ = make_io(device, shape, backend, seed=1)
+    with monkeypatch.context() as m:
+        m.setattr(BlockLayout, "gather", lambda *a: (_ for _ in ()).throw(RuntimeError("gather failed")))
+        with pytest.raises(RuntimeError, match="gather failed"):
+            saver.save(refs([3]), EVERY_LAYER, saver.device.record(), CopyHandoff())
+    # Had the slot stayed reserved, the pool would have no room for this one.
+    assert saver.save(refs([1]), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK]

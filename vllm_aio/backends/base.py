@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 Segment = tuple[int, int]  # (address, size in bytes)
 
@@ -104,6 +105,12 @@ class Backend(ABC):
         False: the backend copies with the CPU and registering does nothing."""
         return False
 
+    def slots(self) -> "SlotStore | None":
+        """The store's values as fixed-size slots of one host mapping that the caller copies
+        into and out of itself (a device kernel reading the mapping: no copy through the
+        backend); None where values live anywhere else (the default)."""
+        return None
+
     def describe(self) -> str:
         """One line for the start-up log: where the values go (pool, service, protocol, ...)."""
         return type(self).__name__
@@ -111,6 +118,37 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release everything the backend holds; later calls fail."""
+
+
+class SlotStore(Protocol):
+    """Values kept as fixed-size slots in one region of host memory (``Backend.slots``).
+
+    A reader pins (slot, version) pairs, copies, and asks ``still_valid``
+    afterwards; a writer reserves slots (invisible and never evicted until
+    ``commit`` or ``abandon``), fills them and commits. Keys of one call are
+    distinct, as for ``Backend``'s batches.
+    """
+
+    @property
+    def slot_size(self) -> int: ...
+
+    def region(self) -> tuple[int, int]:
+        """(address, bytes) of the slots: slot i starts at address + i * slot_size."""
+
+    def pin_for_read(self, keys: Sequence[str]) -> list[tuple[int, int] | None]:
+        """Per key: (slot, version), or None if absent."""
+
+    def still_valid(self, slot: int, version: int) -> bool:
+        """Whether the slot still holds the value pinned at that version."""
+
+    def reserve(self, keys: Sequence[str]) -> list[int | None]:
+        """Per key: a slot to fill, None if already stored, -1 if there is no room."""
+
+    def commit(self, slots: Sequence[int]) -> list[bool]:
+        """Publish filled slots; False where another writer stored the key first."""
+
+    def abandon(self, slots: Sequence[int]) -> None:
+        """Give reserved slots back unfilled."""
 
 
 def check_memory(backend: Backend, memory: Memory) -> None:

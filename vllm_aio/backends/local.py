@@ -33,6 +33,11 @@ class LocalBackend(Backend):
     def describe(self) -> str:
         return f"pool={self.pool.name} size={self._pool_bytes / 2**30:.2f}GiB"
 
+    def slots(self) -> SharedHostPool:
+        """The pool's slots, for device kernels that copy straight from and to them."""
+        self._check_open()
+        return self.pool
+
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
         return self.pool.contains(keys)

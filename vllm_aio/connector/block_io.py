@@ -11,6 +11,11 @@ slice, so a batch larger than the staging buffer still moves (waiting for
 space instead of failing) and, on accelerators, the pool copy of one chunk
 overlaps the host-device copy of the previous one.
 
+Where the backend keeps values in slots of a host mapping the device can map
+(the embedded pool on CUDA), values skip staging altogether: one gather kernel
+per chunk reads the slots, one scatter writes them (``mapped_slots.py``).
+Otherwise:
+
 Loads (receiving thread, or the forward thread for synchronous loads):
 * host KV cache (CPU): the backend copies the payload straight into the cache
   blocks and the header into a staging slice; a refused value's bytes are
@@ -38,6 +43,7 @@ import torch
 
 from vllm_aio.backends import Backend, Status
 from vllm_aio.connector.block_layout import BlockLayout
+from vllm_aio.connector.mapped_slots import MappedSlots, SlotLoad
 from vllm_aio.connector.staging import Slice, StagingBuffer, even_ranges
 from vllm_aio.device import Device
 from vllm_aio.log import get_logger
@@ -62,6 +68,26 @@ class Batch:
 
     blocks: list[BlockRef]
     req_ids: list[str]
+
+
+@dataclass
+class Loaded:
+    """What ``BlockIO.load`` did: a status per block, and the copies still in flight.
+
+    ``copied``: the event after which the cache holds the accepted blocks
+    (None: it does already); the caller's stream waits on it. ``settle``
+    gives the final statuses once the copies are done: a value whose pool
+    slot was rewritten during a direct copy is ``CORRUPT`` there.
+    """
+
+    statuses: list[Status]
+    copied: torch.Event | None = None
+    _settle: Callable[[], list[Status]] | None = None
+
+    def settle(self) -> list[Status]:
+        if self._settle is not None:
+            self.statuses, self._settle = self._settle(), None
+        return self.statuses
 
 
 class CopyHandoff:
@@ -106,8 +132,10 @@ class BlockIO:
         load_staging: StagingBuffer,
         save_staging: StagingBuffer,
         timeout: float,
+        direct: MappedSlots | None = None,
     ) -> None:
         self._layout = layout
+        self._direct = direct
         self._backend = backend
         self._header = header
         self._timeout = timeout
@@ -115,6 +143,16 @@ class BlockIO:
         self._loads = load_staging
         self._saves = save_staging
         self._stream = self.device.new_stream()
+
+    @property
+    def direct(self) -> bool:
+        """Whether values move straight between pool slots and the cache (no staging)."""
+        return self._direct is not None
+
+    def close(self) -> None:
+        """Unmap what the device mapped; before the backend closes."""
+        if self._direct is not None:
+            self._direct.close()
 
     def value_bytes(self, unit: Unit) -> int:
         return HEADER_BYTES + self._layout.payload_bytes(unit.layers)
@@ -134,15 +172,16 @@ class BlockIO:
         return [header.pack(b.block_hash) for b in blocks]
 
     # ---- loads -------------------------------------------------------------
-    def load(self, blocks: Sequence[BlockRef], unit: Unit) -> tuple[list[Status], torch.Event | None]:
-        """Pool -> KV cache. Returns a status per block and the event after
-        which the cache holds the accepted ones (None: it does already).
+    def load(self, blocks: Sequence[BlockRef], unit: Unit) -> Loaded:
+        """Pool -> KV cache: a status per block and the copies' event (``Loaded``).
 
         Blocks of one batch may share a key (requests with a common prefix
         loaded in one step, each into blocks of its own): each key is read
         from the pool once and its value copied to every block naming it.
         """
         batch = _Distinct(blocks)
+        if self._direct is not None:
+            return self._load_direct(batch, unit)
         statuses: list[Status] = []
         event = None
         value = HEADER_BYTES if self.device.is_host else self.value_bytes(unit)
@@ -161,7 +200,30 @@ class BlockIO:
                 statuses += got
             finally:
                 self._loads.release(piece, after=None if self.device.is_host else event)
-        return batch.spread(statuses), event
+        return Loaded(batch.spread(statuses), event)
+
+    def _load_direct(self, batch: "_Distinct", unit: Unit) -> Loaded:
+        statuses: list[Status] = []
+        copies: list[tuple[int, SlotLoad]] = []  # (chunk start, its copy)
+        with self.device.on(self._stream):
+            for start, end in _chunks(len(batch.firsts), self.value_bytes(unit)):
+                chunk = batch.firsts[start:end]
+                got, copy = self._direct.load(
+                    self.keys(chunk, unit), self._headers(chunk, unit), batch.targets[start:end], unit.layers,
+                    _check_headers,
+                )
+                statuses += got
+                copies.append((start, copy))
+        # Each chunk's event follows its scatter, on one stream: the last covers them all.
+        event = next((copy.event for _, copy in reversed(copies) if copy.event is not None), None)
+
+        def settle() -> list[Status]:
+            for start, copy in copies:
+                for position in copy.torn(self._direct.store):
+                    statuses[start + position] = Status.CORRUPT
+            return batch.spread(statuses)
+
+        return Loaded(batch.spread(statuses), event, settle)
 
     def _load_into_host_cache(
         self, blocks: Sequence[BlockRef], targets: Sequence[list[int]], unit: Unit, piece: Slice
@@ -218,7 +280,8 @@ class BlockIO:
         Mooncake with a key and no value).
         """
         batch = _Distinct(blocks)
-        statuses = self._save_distinct(batch.firsts, unit, computed, handoff)
+        save = self._save_direct if self._direct is not None else self._save_distinct
+        statuses = save(batch.firsts, unit, computed, handoff)
         return batch.spread(statuses, repeat=lambda s: Status.EXISTS if s.stored else s)
 
     def _save_distinct(
@@ -249,6 +312,48 @@ class BlockIO:
         while pending:
             statuses += self._put(pending.popleft(), keep)
         return statuses + [Status.NO_SPACE if keep else Status.ERROR] * (len(blocks) - len(statuses))
+
+    def _save_direct(
+        self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, handoff: CopyHandoff
+    ) -> list[Status]:
+        """``save`` of distinct blocks straight into reserved pool slots (``mapped_slots.py``).
+
+        ``handoff`` is told once the last gather out of the cache is done; the
+        slots are published once the payload copies into them are too.
+        """
+        statuses: list[Status] = []
+        filled: list[tuple[list[int], list[int], list[BlockRef]]] = []  # per chunk: positions, slots, blocks
+        gathered = written = None
+        try:
+            with self.device.on(self._stream):
+                self.device.wait(computed, self._stream)
+                for start, end in _chunks(len(blocks), self.value_bytes(unit)):
+                    if not handoff.held():
+                        break
+                    chunk = blocks[start:end]
+                    slots = self._direct.reserve(self.keys(chunk, unit))
+                    statuses += [Status.EXISTS if s is None else Status.NO_SPACE for s in slots]
+                    fill = [i for i, s in enumerate(slots) if s is not None and s >= 0]
+                    if fill:
+                        filled.append(([start + i for i in fill], [slots[i] for i in fill], [chunk[i] for i in fill]))
+                        gathered = self._direct.copy_out([chunk[i].block_id for i in fill], filled[-1][1], unit.layers)
+                written = self.device.record(self._stream)
+            self.device.synchronize(gathered)  # the cache blocks may be reused from here on
+        except BaseException:
+            for _, slots, _ in filled:  # after the copies into them, whatever they reached
+                self._direct.abandon(slots, self.device.record(self._stream))
+            raise
+        finally:
+            keep = handoff.copied()
+        for positions, slots, chunk in filled:
+            if not keep:  # the bytes may be torn: never published
+                self._direct.abandon(slots, written)
+                for p in positions:
+                    statuses[p] = Status.ERROR
+                continue
+            for p, stored in zip(positions, self._direct.publish(slots, self._headers(chunk, unit), written)):
+                statuses[p] = Status.OK if stored else Status.EXISTS
+        return statuses + [Status.ERROR] * (len(blocks) - len(statuses))
 
     def _save_slice(
         self, nbytes: int, pending: deque["_Copied"], statuses: list[Status], handoff: CopyHandoff
@@ -293,7 +398,7 @@ class BlockIO:
             self._saves.release(chunk.piece)
 
     def _on_device(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self._layout.device, non_blocking=True)
+        return self.device.indices(values)
 
 
 def open_block_io(
@@ -307,6 +412,9 @@ def open_block_io(
 ) -> BlockIO:
     """A ``BlockIO`` over these cache tensors, wired as every user needs it.
 
+    Values move straight between the pool's slots and the cache where the
+    backend has slots and the device can map them (``MappedSlots.open``).
+
     One staging buffer per direction (page-locked on accelerators), and the
     memory the backend will copy between registered with it once: the
     staging buffers, and on the CPU the KV cache itself, which the backend
@@ -319,7 +427,8 @@ def open_block_io(
     spans = layout.memory_spans() if device.is_host else []
     for address, size in spans + [(s.address, s.capacity) for s in (loads, saves)]:
         backend.register_memory(address, size)
-    return BlockIO(layout, backend, header, loads, saves, timeout)
+    direct = None if device.is_host else MappedSlots.open(backend.slots(), layout, device)
+    return BlockIO(layout, backend, header, loads, saves, timeout, direct)
 
 
 @dataclass

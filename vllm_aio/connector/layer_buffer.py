@@ -241,7 +241,8 @@ class LayerBuffer:
             self._pending.append(_Pending(piece, event, scatter))
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        return host if self.device.is_host else host.to(self.device.torch_device, non_blocking=True)
+        # From page-locked memory: see Device.indices.
+        return host if self.device.is_host else host.pin_memory().to(self.device.torch_device, non_blocking=True)
 
     # ---- staging -----------------------------------------------------------
     def _slice(self, nbytes: int) -> Slice:

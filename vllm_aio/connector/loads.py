@@ -17,6 +17,9 @@ Every outcome goes to ``LoadReport``: blocks that could not be loaded (missing,
 evicted mid-read, short, foreign header, pool down, too slow) are reported to
 vLLM through ``get_block_ids_with_load_errors``, which recomputes them with
 ``kv_load_failure_policy: recompute``, and logged once per request and step.
+A load's outcome is settled there, at the end of the step, once its copies
+are done: a direct copy from pool slots learns only then whether a slot was
+rewritten under it (vLLM then discards the request's output of that step).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_aio.backends import Status
-from vllm_aio.connector.block_io import Batch, BlockIO, BlockRef
+from vllm_aio.connector.block_io import Batch, BlockIO, BlockRef, Loaded
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer
 from vllm_aio.connector.transfer import TransferThread
 from vllm_aio.log import get_logger
@@ -47,7 +50,7 @@ AddStats = Callable[..., None]
 class _Load:
     batch: Batch
     unit: Unit
-    future: "Future[tuple[list[Status], torch.Event | None]]"
+    future: "Future[Loaded]"
     started: float
 
 
@@ -60,29 +63,24 @@ class LoadReport:
         self._add_stats = add_stats
         self._failed: dict[str, Counter[str]] = {}
         self._errors: set[int] = set()
+        self._unsettled: list[tuple[Batch, Unit, Loaded]] = []
 
-    def finish(self, batch: Batch, unit: Unit, statuses: list[Status], started: float) -> None:
-        ok = 0
-        for block, req_id, status in zip(batch.blocks, batch.req_ids, statuses):
-            if status is Status.OK:
-                ok += 1
-            else:
-                self._record(req_id, block.block_id, status.value)
-        self._add_stats(
-            load_blocks=ok if unit is self._last_unit else 0,
-            load_bytes=ok * self._io.value_bytes(unit),
-            load_seconds=time.perf_counter() - started,
-        )
+    def finish(self, batch: Batch, unit: Unit, loaded: Loaded, started: float) -> None:
+        """The load's copies are enqueued (the caller's stream waits on them); settled at ``take_errors``."""
+        self._add_stats(load_seconds=time.perf_counter() - started)
+        self._unsettled.append((batch, unit, loaded))
 
     def fail(self, batch: Batch, reason: str) -> None:
         for block, req_id in zip(batch.blocks, batch.req_ids):
             self._record(req_id, block.block_id, reason)
 
-    def pool_failed(self, exc: Exception, batch: Batch) -> list[Status]:
+    def pool_failed(self, exc: Exception, batch: Batch) -> Loaded:
         logger.warning("vllm_aio: pool load failed: %s", exc)
-        return [Status.ERROR] * len(batch.blocks)
+        return Loaded([Status.ERROR] * len(batch.blocks))
 
     def take_errors(self) -> set[int]:
+        """The step's failed block ids (after every load of the step has settled); logs them."""
+        self._settle()
         for req_id, reasons in self._failed.items():
             logger.warning(
                 "vllm_aio: request %s: %d pool blocks could not be loaded (%s); vLLM recomputes them",
@@ -93,6 +91,17 @@ class LoadReport:
         self._add_stats(load_failures=len(self._errors))
         errors, self._errors, self._failed = self._errors, set(), {}
         return errors
+
+    def _settle(self) -> None:
+        unsettled, self._unsettled = self._unsettled, []
+        for batch, unit, loaded in unsettled:
+            ok = 0
+            for block, req_id, status in zip(batch.blocks, batch.req_ids, loaded.settle()):
+                if status is Status.OK:
+                    ok += 1
+                else:
+                    self._record(req_id, block.block_id, status.value)
+            self._add_stats(load_blocks=ok if unit is self._last_unit else 0, load_bytes=ok * self._io.value_bytes(unit))
 
     def _record(self, req_id: str, block_id: int, reason: str) -> None:
         if block_id not in self._errors:
@@ -145,11 +154,11 @@ class Loads:
             return
         batch, unit, started = self._batch(meta.loads), self._units[0], time.perf_counter()
         try:
-            statuses, copied = self._io.load(batch.blocks, unit)
-            self._io.device.wait(copied)  # the forward runs after the copies
+            loaded = self._io.load(batch.blocks, unit)
+            self._io.device.wait(loaded.copied)  # the forward runs after the copies
         except Exception as exc:
-            statuses = self._report.pool_failed(exc, batch)
-        self._report.finish(batch, unit, statuses, started)
+            loaded = self._report.pool_failed(exc, batch)
+        self._report.finish(batch, unit, loaded, started)
 
 
 class BeforeForward(Loads):
@@ -178,13 +187,13 @@ class InBackground(Loads):
             if not load.future.done():
                 continue
             try:
-                statuses, copied = load.future.result()
-                if not self._io.device.completed(copied):
+                loaded = load.future.result()
+                if not self._io.device.completed(loaded.copied):
                     continue  # still on its way to the device
             except Exception as exc:
-                statuses = self._report.pool_failed(exc, load.batch)
+                loaded = self._report.pool_failed(exc, load.batch)
             del self._loads[req_id]
-            self._report.finish(load.batch, load.unit, statuses, load.started)
+            self._report.finish(load.batch, load.unit, loaded, load.started)
             done.add(req_id)
         return done
 
@@ -217,8 +226,8 @@ class Layerwise(Loads):
             self._report.fail(load.batch, "timeout")
             return
         try:
-            statuses, copied = load.future.result(timeout=self._timeout)
-            self._io.device.wait(copied)  # this layer's attention runs after its copies
+            loaded = load.future.result(timeout=self._timeout)
+            self._io.device.wait(loaded.copied)  # this layer's attention runs after its copies
         except FutureTimeout:
             self._stalled = True
             logger.warning(
@@ -229,8 +238,8 @@ class Layerwise(Loads):
             self._report.fail(load.batch, "timeout")
             return
         except Exception as exc:
-            statuses = self._report.pool_failed(exc, load.batch)
-        self._report.finish(load.batch, unit, statuses, load.started)
+            loaded = self._report.pool_failed(exc, load.batch)
+        self._report.finish(load.batch, unit, loaded, load.started)
 
     def _retrieve_layers(self, batch: Batch) -> Iterator[_Load]:
         """Queues one layer's load each time it is advanced."""

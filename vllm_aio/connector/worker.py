@@ -160,4 +160,5 @@ class AioWorker:
         self._recv.close()
         self._send.close()
         self._buffer.close()
+        self._io.close()  # unmaps the pool's slots before the pool goes
         self._backend.close()

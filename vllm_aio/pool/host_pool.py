@@ -458,6 +458,10 @@ class SharedHostPool:
         """Whether a slot read since ``pin_for_read`` was not reused meanwhile."""
         return int(self._version[slot]) == version and int(self._state[slot]) == READY
 
+    def region(self) -> tuple[int, int]:
+        """(address, bytes) of the slot data in this process's mapping."""
+        return self._data_addr, self.layout.num_slots * self.layout.slot_size
+
     def slot_address(self, slot: int) -> int:
         return self._data_addr + slot * self.layout.slot_size
 
