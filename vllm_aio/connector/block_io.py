@@ -47,7 +47,7 @@ from vllm_aio.connector.mapped_slots import MappedSlots, SlotLoad
 from vllm_aio.connector.staging import Slice, StagingBuffer, even_ranges
 from vllm_aio.device import Device
 from vllm_aio.log import get_logger
-from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader, describe
+from vllm_aio.pool.entry import HASH_PREFIX_BYTES, HEADER_BYTES, EntryHeader, describe
 from vllm_aio.pool.keys import Unit, block_key
 
 logger = get_logger(__name__)
@@ -143,6 +143,7 @@ class BlockIO:
         self._loads = load_staging
         self._saves = save_staging
         self._stream = self.device.new_stream()
+        self._fixed_header: dict[int | None, bytes] = {}  # per unit tag
 
     @property
     def direct(self) -> bool:
@@ -162,14 +163,18 @@ class BlockIO:
         return [block_key(digest, shard, b.block_hash, unit.tag) for b in blocks]
 
     def _headers(self, blocks: Sequence[BlockRef], unit: Unit) -> list[bytes]:
-        header = EntryHeader(
-            self._header.namespace_digest,
-            self._header.shard,
-            -1 if unit.tag is None else unit.tag,
-            self._header.block_size,
-            self._layout.payload_bytes(unit.layers),
-        )
-        return [header.pack(b.block_hash) for b in blocks]
+        # Only the block hash differs between the headers of one unit: pack the rest once.
+        fixed = self._fixed_header.get(unit.tag)
+        if fixed is None:
+            header = EntryHeader(
+                self._header.namespace_digest,
+                self._header.shard,
+                -1 if unit.tag is None else unit.tag,
+                self._header.block_size,
+                self._layout.payload_bytes(unit.layers),
+            )
+            fixed = self._fixed_header[unit.tag] = header.pack(bytes(HASH_PREFIX_BYTES))[:-HASH_PREFIX_BYTES]
+        return [fixed + b.block_hash[:HASH_PREFIX_BYTES].ljust(HASH_PREFIX_BYTES, b"\0") for b in blocks]
 
     # ---- loads -------------------------------------------------------------
     def load(self, blocks: Sequence[BlockRef], unit: Unit) -> Loaded:
@@ -479,13 +484,15 @@ def _chunks(n: int, value_bytes: int) -> list[tuple[int, int]]:
 
 
 def _check_headers(stored: torch.Tensor, expected: list[bytes], statuses: list[Status]) -> list[Status]:
-    """OK only where the stored header is exactly the one this reader would write."""
-    raw = stored.contiguous().numpy().tobytes()
-    out = []
-    for i, (want, status) in enumerate(zip(expected, statuses)):
-        got = raw[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
-        if status is Status.OK and got != want:
-            status = Status.FOREIGN
-            logger.debug("vllm_aio: refused a value: stored %s, expected %s", describe(got), describe(want))
-        out.append(status)
+    """OK only where the stored header is exactly the one this reader would write (one batched compare)."""
+    if not expected:
+        return statuses
+    want = torch.frombuffer(bytearray(b"".join(expected)), dtype=torch.uint8).view(-1, HEADER_BYTES)
+    equal = (stored == want).all(dim=1).tolist()
+    out = list(statuses)
+    for i, same in enumerate(equal):
+        if out[i] is Status.OK and not same:
+            out[i] = Status.FOREIGN
+            got = stored[i].contiguous().numpy().tobytes()
+            logger.debug("vllm_aio: refused a value: stored %s, expected %s", describe(got), describe(expected[i]))
     return out

@@ -22,9 +22,10 @@ import struct
 from dataclasses import dataclass
 
 HEADER_BYTES = 64
+HASH_PREFIX_BYTES = 8  # the header's last field: the first bytes of the block hash
 _MAGIC = b"vaio"
 _SHARD_BYTES = 24
-_FORMAT = f"<4s16s{_SHARD_BYTES}siII8s"
+_FORMAT = f"<4s16s{_SHARD_BYTES}siII{HASH_PREFIX_BYTES}s"
 assert struct.calcsize(_FORMAT) == HEADER_BYTES
 
 
