@@ -95,15 +95,15 @@ class Device:
     def host_memory(self, nbytes: int) -> "HostMemory":
         """``nbytes`` of host memory the device copies at full speed, not rounded up.
 
-        CUDA: plain host memory registered with the driver (``cudaHostRegister``),
-        unregistered by ``HostMemory.release``; other accelerators (Ascend NPU, ...):
+        CUDA: plain host memory registered with the driver (page-locked and
+        mapped: ``HostMemory.device_view``), unregistered by ``HostMemory.release``; other accelerators (Ascend NPU, ...):
         ``pin_memory``, rounded by torch's host allocator; the CPU: plain memory.
         """
         if self.is_host or nbytes == 0:
             return HostMemory(torch.empty(nbytes, dtype=torch.uint8))
         if self.torch_device.type == "cuda":
             pages = _whole_pages(nbytes)
-            return HostMemory(pages[:nbytes], _register_cuda(pages, self.torch_device))
+            return HostMemory(pages[:nbytes], _register_cuda(pages, self.torch_device), self.torch_device)
         return HostMemory(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
 
     def map_host(self, address: int, nbytes: int) -> "MappedHost | None":
@@ -152,11 +152,22 @@ class HostMemory:
     an H200), yet copies from it ran asynchronously at 52 GB/s.
     """
 
-    def __init__(self, tensor: torch.Tensor, unregister: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, tensor: torch.Tensor, unregister: Callable[[], None] | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.tensor: torch.Tensor | None = tensor
+        self._device = device  # where the registration maps the memory (CUDA), else None
         self._finalizer = weakref.finalize(self, _unregister, tensor, unregister) if unregister else None
         if self._finalizer is not None:
             self._finalizer.atexit = False  # at exit the process's memory goes anyway, the driver may not
+
+    def device_view(self) -> torch.Tensor | None:
+        """The same bytes as a tensor on the device (kernels read and write them across
+        the link), or None where the memory is not mapped for a device."""
+        if self._device is None or not self.registered:
+            return None
+        return _device_view(self.tensor.data_ptr(), self.tensor.nbytes, self._device)
 
     @property
     def registered(self) -> bool:
@@ -220,7 +231,8 @@ def _map_cuda(address: int, nbytes: int, device: torch.device) -> MappedHost:
     with _mapped_lock:
         entry = _mapped_cuda.get(region)
         if entry is None:
-            entry = _mapped_cuda[region] = [_register_mapped(address, nbytes, device), 0]
+            pages = _host_tensor(address, nbytes)
+            entry = _mapped_cuda[region] = [_register_cuda(pages, device), 0]
         entry[1] += 1
 
     def unmap() -> None:
@@ -229,34 +241,9 @@ def _map_cuda(address: int, nbytes: int, device: torch.device) -> MappedHost:
             if entry[1]:
                 return
             del _mapped_cuda[region]
-        torch.cuda.synchronize(device)  # no kernel may still read or write the pages
-        result = _libcuda().cuMemHostUnregister(ctypes.c_void_p(address))
-        if result != 0:
-            raise RuntimeError(f"cuMemHostUnregister failed ({result})")
+        entry[0]()
 
-    return MappedHost(entry[0], unmap)
-
-
-def _libcuda() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def _register_mapped(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """Registers through the driver API: a failing runtime call would leave an
-    error behind that torch's next kernel launch raises."""
-    cuda = _libcuda()
-    flags = _CU_MEMHOSTREGISTER_PORTABLE | _CU_MEMHOSTREGISTER_DEVICEMAP
-    with torch.cuda.device(device):
-        torch.cuda.init()  # the device's primary context, current on this thread
-        result = cuda.cuMemHostRegister_v2(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_uint(flags))
-        if result != 0:
-            raise RuntimeError(f"cuMemHostRegister (device-mapped) of {nbytes} bytes at {address:#x} failed ({result})")
-        pointer = ctypes.c_uint64()
-        result = cuda.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer), ctypes.c_void_p(address), ctypes.c_uint(0))
-        if result != 0:
-            cuda.cuMemHostUnregister(ctypes.c_void_p(address))
-            raise RuntimeError(f"cuMemHostGetDevicePointer failed ({result}) for registered host memory")
-        return torch.as_tensor(_DeviceArray(pointer.value, nbytes), device=device)
+    return MappedHost(_device_view(address, nbytes, device), unmap)
 
 
 def _unregister(tensor: torch.Tensor, unregister: Callable[[], None]) -> None:
@@ -280,19 +267,39 @@ def _whole_pages(nbytes: int) -> torch.Tensor:
     return backing[start : start + -(-nbytes // page) * page]
 
 
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
 def _register_cuda(tensor: torch.Tensor, device: torch.device) -> Callable[[], None]:
-    """Page-locks ``tensor``'s memory for ``device``; returns what unregisters it."""
-    cudart = torch.cuda.cudart()
+    """Page-locks ``tensor``'s memory and maps it for every device; returns what unregisters it.
+
+    Through the driver API: a failing runtime call (``cudaHostRegister``)
+    would leave an error behind that torch's next kernel launch raises.
+    """
     address, nbytes = tensor.data_ptr(), tensor.nbytes
+    flags = _CU_MEMHOSTREGISTER_PORTABLE | _CU_MEMHOSTREGISTER_DEVICEMAP
     with torch.cuda.device(device):
-        error = cudart.cudaHostRegister(address, nbytes, 0)
-    if int(error) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed: {error}")
+        torch.cuda.synchronize(device)  # a runtime call: the primary context is current on this thread
+        result = _libcuda().cuMemHostRegister_v2(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_uint(flags))
+    if result != 0:
+        raise RuntimeError(f"cuMemHostRegister of {nbytes} bytes of host memory at {address:#x} failed ({result})")
 
     def unregister() -> None:
-        torch.cuda.synchronize(device)  # no copy may still use the pages
-        error = cudart.cudaHostUnregister(address)
-        if int(error) != 0:
-            raise RuntimeError(f"cudaHostUnregister failed: {error}")
+        torch.cuda.synchronize(device)  # no copy or kernel may still use the pages
+        result = _libcuda().cuMemHostUnregister(ctypes.c_void_p(address))
+        if result != 0:
+            raise RuntimeError(f"cuMemHostUnregister failed ({result})")
 
     return unregister
+
+
+def _device_view(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """Registered host memory as a uint8 tensor on ``device`` (its device address; unified addressing)."""
+    pointer = ctypes.c_uint64()
+    with torch.cuda.device(device):
+        torch.cuda.synchronize(device)  # the primary context, current on this thread
+        result = _libcuda().cuMemHostGetDevicePointer_v2(ctypes.byref(pointer), ctypes.c_void_p(address), ctypes.c_uint(0))
+        if result != 0:
+            raise RuntimeError(f"cuMemHostGetDevicePointer failed ({result}) for registered host memory")
+        return torch.as_tensor(_DeviceArray(pointer.value, nbytes), device=device)
