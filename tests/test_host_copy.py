@@ -19,7 +19,6 @@ from vllm_aio.host_copy import (
     copy_many,
     copy_rows,
     copy_threads,
-    run_parallel,
     shutdown_copy_threads,
 )
 
@@ -176,27 +175,6 @@ def test_copy_rows_of_negative_size_is_refused():
 
 
 # ---- the copy threads ---------------------------------------------------------------
-
-
-def test_run_parallel_runs_the_first_task_on_the_caller_and_the_rest_on_copy_threads():
-    ran: list[str] = []
-    run_parallel([lambda: ran.append(threading.current_thread().name)] * 4, threads=4)
-    assert len(ran) == 4
-    assert ran.count(threading.current_thread().name) == 1
-    assert sum(name.startswith("vllm_aio-copy") for name in ran) == 3
-
-
-def test_failure_in_a_copy_thread_is_raised_after_every_task_ran():
-    ran: list[str] = []
-
-    def task() -> None:
-        ran.append(threading.current_thread().name)
-        if threading.current_thread().name.startswith("vllm_aio-copy"):
-            raise OSError("copy thread failed")
-
-    with pytest.raises(OSError, match="copy thread failed"):
-        run_parallel([task] * 4, threads=4)
-    assert len(ran) == 4
 
 
 def test_copy_threads_stop_on_shutdown_and_restart_on_next_copy():

@@ -2,13 +2,13 @@
 
 ``copy_many`` copies a batch of (dst, src, size) triples, ``copy_rows`` a
 gather/scatter of equal rows between two strided regions (pool slots <-> a KV
-cache plane). Each runs as one call per thread into a loop compiled by numba
-(``nogil``: the threads really copy at once) that calls libc's ``memcpy`` per
-piece. One ``ctypes.memmove`` per piece from Python cost ~1 us each, a third
-of the time of a 16 KiB copy; in the compiled loop a 16 KiB piece costs what
-one memcpy of the same bytes costs (0.94-0.98x). A loop copying through
-``numba.carray`` slices instead reached only 0.23x of memcpy: it does not use
-libc's vectorised copy.
+cache plane). Each runs in loops compiled by numba (``nogil``: the threads
+really copy at once) that call libc's ``memcpy`` per copy. One
+``ctypes.memmove`` per copy from Python cost ~1 us each, a third of the time
+of a 16 KiB copy; in the compiled loop 16 KiB copies reach 0.94-0.98x of one
+memcpy of the same bytes. A loop copying through ``numba.carray`` slices
+reached only 0.23x: it does not use libc's vectorised copy. Merging copies
+adjacent on both sides gains nothing there (within noise), so none is merged.
 
 The loops are compiled on their first call and cached on disk next to this
 file (``__pycache__``), or in the user's cache directory (``~/.cache/numba``)
@@ -19,17 +19,19 @@ compiler either way); later calls ~4 us each.
 
 The threads belong to one process-wide pool, created on first use and shared
 by every caller (so none is leaked per instance); a forked child starts a
-pool of its own. A batch is cut by bytes, not by copies, into at most
-``copy_threads()`` parts of at least ``MIN_BYTES_PER_THREAD``: one huge copy
-is shared as evenly as many small ones.
+pool of its own. A batch gets at most ``copy_threads()`` threads, the caller
+included, with at least ``MIN_BYTES_PER_THREAD`` each; they take pieces of
+``PIECE_BYTES`` in turn, cut by bytes, not by copies: one huge copy is shared
+as evenly as many small ones.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 
 import numpy as np
@@ -42,9 +44,15 @@ from numba.extending import intrinsic
 MAX_COPY_THREADS = 8
 # Waking a copy thread and waiting for it cost ~70 us on a 2-core VM, so a
 # thread is given at least this much (~170 us of copying). Measured there on
-# scattered 16 KiB pieces out of cache, 2 threads against 1: 1 MiB 0.7x,
-# 2 MiB 0.9x, 4 MiB 1.0x, 8 MiB and more 1.25-1.4x.
+# scattered 16 KiB copies out of cache, 2 threads against 1: batches of 1 MiB
+# 0.79x, 2 MiB 0.84x, 4 MiB 1.03x, 8-256 MiB 1.12-1.29x.
 MIN_BYTES_PER_THREAD = 2 << 20
+# The threads take pieces of a batch in turn, so a thread whose core is busy
+# elsewhere leaves its share to the others. 2 threads against 1 on the 2-core
+# VM, 8-256 MiB batches: pieces of 1 MiB 1.12-1.29x, 4 MiB 1.14-1.28x, 256 KiB
+# 1.05-1.20x (GIL round trips). A multiple of 64: where the copies are cache-line
+# aligned (pool slots, KV blocks), no line is written by two threads.
+PIECE_BYTES = 1 << 20
 THREADS_ENV = "VLLM_AIO_COPY_THREADS"
 
 
@@ -57,8 +65,10 @@ def copy_threads() -> int:
         cores = len(os.sched_getaffinity(0))  # the cores we may use, not the machine's
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    # Every core, even on 2: on a 2-core VM, 2 threads copied batches of
-    # 8-256 MiB at 1.1-1.4x one memcpy, 1 thread at 0.85-1.1x.
+    # Every core, even on 2. On a 2-core VM, batches of 8-256 MiB: 2 threads
+    # 1.12-1.29x as fast as 1 with both cores idle, 0.92-0.96x with one busy
+    # with another process (the threads take pieces in turn, so the caller
+    # does what a late thread leaves).
     return min(cores, MAX_COPY_THREADS)
 
 
@@ -102,34 +112,6 @@ def copy_rows(
     _share(kernel, len(dst_rows) * size, threads)
 
 
-def run_parallel(tasks: Sequence[Callable[[], object]], threads: int) -> None:
-    """Run ``tasks``: with ``threads`` > 1, the first on the calling thread, the rest on the copy threads.
-
-    For work that releases the GIL. Returns once every task has finished, even
-    if one failed (none may still be writing into the caller's buffers), then
-    re-raises the first failure.
-    """
-    if threads <= 1 or len(tasks) <= 1:
-        for task in tasks:
-            task()
-        return
-    futures: list[Future[object]] = []
-    try:
-        executor = _executor(len(tasks) - 1)
-        for task in tasks[1:]:
-            futures.append(executor.submit(task))
-    except RuntimeError:  # the pool is shut down (interpreter exit): run the rest here
-        for task in tasks[1 + len(futures):]:
-            task()
-    try:
-        tasks[0]()  # the caller works too rather than idling while it waits
-    finally:
-        for future in futures:
-            future.exception()
-    for future in futures:
-        future.result()
-
-
 def _addresses(a: np.ndarray) -> np.ndarray:
     """``a`` as a contiguous 1-D int64 array (uint64 addresses reinterpreted, not copied)."""
     a = np.asarray(a)
@@ -139,17 +121,48 @@ def _addresses(a: np.ndarray) -> np.ndarray:
 
 
 def _share(kernel: Callable[[int, int], None], nbytes: int, threads: int | None) -> None:
-    """Run ``kernel(lo, hi)`` over bytes [0, nbytes) of a batch, cut into parts for the copy threads."""
+    """Run ``kernel(lo, hi)`` over bytes [0, nbytes) of a batch, in pieces the caller and copy threads take in turn."""
     if not nbytes:
         return
-    parts = max(1, min(threads or copy_threads(), nbytes // MIN_BYTES_PER_THREAD))
-    if parts == 1:
+    workers = max(1, min(threads or copy_threads(), nbytes // MIN_BYTES_PER_THREAD))
+    if workers == 1:
         kernel(0, nbytes)
         return
-    # A multiple of 64: where the copies are cache-line aligned (pool slots, KV
-    # blocks), no line is written by two threads.
-    share = -(-nbytes // parts // 64) * 64
-    run_parallel([partial(kernel, lo, min(lo + share, nbytes)) for lo in range(0, nbytes, share)], parts)
+    next_piece = itertools.count(0, PIECE_BYTES).__next__  # one call is atomic under the GIL
+
+    def work() -> None:
+        while (lo := next_piece()) < nbytes:
+            kernel(lo, min(lo + PIECE_BYTES, nbytes))
+
+    _run_shared(work, workers - 1)
+
+
+def _run_shared(work: Callable[[], None], helpers: int) -> None:
+    """Run ``work`` on the calling thread and on up to ``helpers`` copy threads at once.
+
+    ``work`` takes pieces until none is left, so any thread may do all of it:
+    a helper that has not started when the caller runs out (its core busy
+    with other work, or the batch small) is cancelled, not waited for.
+    Returns once every helper that started has finished, even if one failed
+    (none may still be writing into the caller's buffers), then re-raises the
+    first failure.
+    """
+    futures: list[Future[None]] = []
+    try:
+        executor = _executor(helpers)
+        for _ in range(helpers):
+            futures.append(executor.submit(work))
+    except RuntimeError:  # the pool is shut down (interpreter exit): the caller does it all
+        pass
+    try:
+        work()
+    finally:
+        for future in futures:
+            future.cancel()
+        wait(futures)
+    for future in futures:
+        if not future.cancelled():
+            future.result()
 
 
 # ---- the compiled loops ------------------------------------------------------------
