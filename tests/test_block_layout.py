@@ -142,3 +142,23 @@ def test_gathered_row_holds_the_bytes_its_segments_address():
     layout.gather(torch.tensor([3]), [0], row)
     expected = b"".join(ctypes.string_at(addr, size) for addr, size in layout.segments(3, [0]))
     assert row.numpy().tobytes() == expected
+
+
+def test_host_fast_paths_copy_strided_blocks_without_their_padding():
+    base = torch.randn(NUM_BLOCKS, 3, 32, 128).to(torch.float16)
+    t = base[:, :2]  # blocks 3 pages apart, 2 pages long
+    layout = BlockLayout({"l": t}, ["l"], NUM_BLOCKS)
+    ids = torch.tensor([5, 0, 2])
+    planes = torch.empty(len(ids) * layout.layer_bytes(0), dtype=torch.uint8)
+    layout.gather_planes(ids, 0, planes)
+    assert torch.equal(planes.view(torch.float16).view(3, 2, 32, 128), t[ids])
+    padding = base[:, 2].clone()
+    layout.scatter_planes(planes, torch.tensor([1, 3, 4]), 0)
+    assert torch.equal(t[[1, 3, 4]], t[ids]) and torch.equal(base[:, 2], padding)
+
+
+def test_host_fast_paths_refuse_a_non_contiguous_buffer():
+    layout = BlockLayout({"l": block_major()}, ["l"], NUM_BLOCKS)
+    strided = torch.empty(4 * layout.layer_bytes(0), dtype=torch.uint8)[::2]
+    with pytest.raises(ValueError):
+        layout.gather_planes(torch.tensor([0, 1]), 0, strided)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_device import registered
 
-from vllm_aio.connector import block_layout
+from vllm_aio import host_copy
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.connector.layer_buffer import LayerBuffer, _even_chunks, _runs
 from vllm_aio.connector.metadata import BufferStep
@@ -169,7 +169,7 @@ def test_write_backs_complete_during_the_step(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_host_copies_spread_over_threads(device, monkeypatch):
     monkeypatch.setenv("VLLM_AIO_COPY_THREADS", "4")
-    monkeypatch.setattr(block_layout, "MIN_PART_BYTES", 2 * PAGE_BYTES)
+    monkeypatch.setattr(host_copy, "MIN_BYTES_PER_THREAD", 2 * PAGE_BYTES)
     model = Model(device, 4, 2, copies="staged")
     assert model.step(resident=[], written=list(range(0, 24, 2))) == []
     assert model.step(resident=list(range(0, 24, 2)), written=[1, 3, 5, 7, 9, 11, 13]) == []
@@ -179,7 +179,7 @@ def test_host_copies_spread_over_threads(device, monkeypatch):
 @pytest.mark.parametrize("shape", [(NUM_BLOCKS, *PAGE), (2, NUM_BLOCKS, 16, 4, 8)])
 def test_host_fast_paths_match_gather_and_scatter(threads, shape, monkeypatch):
     monkeypatch.setenv("VLLM_AIO_COPY_THREADS", threads)
-    monkeypatch.setattr(block_layout, "MIN_PART_BYTES", PAGE_BYTES)
+    monkeypatch.setattr(host_copy, "MIN_BYTES_PER_THREAD", PAGE_BYTES)
     g = torch.Generator().manual_seed(1)
     caches = {n: torch.randn(shape, generator=g).to(torch.bfloat16) for n in ("a", "b")}
     layout = BlockLayout(caches, ["a", "b"], NUM_BLOCKS)
@@ -197,7 +197,7 @@ def test_host_fast_paths_match_gather_and_scatter(threads, shape, monkeypatch):
     caches["b"].copy_(before)
     layout.scatter_planes(planes, dst, 1)
     assert torch.equal(caches["b"], expected) and not torch.equal(expected, before)
-    with pytest.raises(IndexError):  # numpy's take would clip them
+    with pytest.raises(IndexError):  # copy_rows would read past the cache
         layout.gather_planes(torch.tensor([0, NUM_BLOCKS]), 1, planes[: 2 * layout.layer_bytes(1)])
 
 

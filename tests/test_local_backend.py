@@ -20,7 +20,8 @@ import uuid
 import numpy as np
 import pytest
 
-from vllm_aio.backends import local, segments
+from vllm_aio import host_copy
+from vllm_aio.backends import local
 from vllm_aio.backends.base import Status
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.pool.host_pool import SHM_DIR, pool_path
@@ -210,17 +211,17 @@ def test_slot_evicted_and_rewritten_after_pin_is_no_longer_valid(name):
 def test_get_of_slot_evicted_and_rewritten_during_copy_is_corrupt(name, monkeypatch):
     reader = open_backend(name, slots=4)
     writer = open_backend(name, slots=4)
-    real_copy_all = local.copy_all
+    real_copy_many = local.copy_many
     evicting = threading.Lock()
 
-    def copy_while_another_process_evicts(copies, *args, **kwargs):
+    def copy_while_another_process_evicts(*args, **kwargs):
         if evicting.acquire(blocking=False):  # the reader's copy; not the writer's own put
             put(writer, [f"new{i}" for i in range(4)])
-        real_copy_all(copies, *args, **kwargs)
+        real_copy_many(*args, **kwargs)
 
     try:
         put(reader, ["victim"])
-        monkeypatch.setattr(local, "copy_all", copy_while_another_process_evicts)
+        monkeypatch.setattr(local, "copy_many", copy_while_another_process_evicts)
         statuses, _ = get(reader, ["victim"])
         assert statuses == [Status.CORRUPT]
     finally:
@@ -230,23 +231,15 @@ def test_get_of_slot_evicted_and_rewritten_during_copy_is_corrupt(name, monkeypa
 
 # ---- large batches, copied by several threads ------------------------------------------
 
-BIG = 256 << 10  # per value: a batch of 8 is 2 MiB, enough for 4 copy threads
-BIG_SIZES = (100 << 10, 28 << 10, 64 << 10, 64 << 10)  # 256 KiB over 4 unequal segments
+BIG = host_copy.MIN_BYTES_PER_THREAD // 2  # per value: a batch of 8 is enough for 4 copy threads
+BIG_SIZES = (BIG // 2 - 64, BIG // 8 + 64, BIG // 4, BIG // 8)  # over 4 unequal segments
 
 
 @pytest.fixture
 def four_copy_threads(monkeypatch):
-    """copy_all as on a machine of >= 4 cores; records the thread of each chunk copied."""
-    monkeypatch.setattr(segments, "copy_threads", lambda: 4)
-    used: list[str] = []
-    real_run = segments._run
-
-    def recording_run(*chunk):
-        used.append(threading.current_thread().name)
-        real_run(*chunk)
-
-    monkeypatch.setattr(segments, "_run", recording_run)
-    return used
+    """Copies as on a machine of >= 4 cores."""
+    host_copy.shutdown_copy_threads()
+    monkeypatch.setattr(host_copy, "copy_threads", lambda: 4)
 
 
 def test_large_batch_is_copied_by_several_threads_byte_for_byte(name, four_copy_threads):
@@ -255,49 +248,38 @@ def test_large_batch_is_copied_by_several_threads_byte_for_byte(name, four_copy_
     try:
         src = [payload(k, BIG) for k in keys]
         assert backend.batch_put(keys, [segments_of(b, BIG_SIZES) for b in src]) == [Status.OK] * 8
-        put_threads = list(four_copy_threads)
-        four_copy_threads.clear()
         dst = [np.full(BIG, 0xEE, dtype=np.uint8) for _ in keys]
-        # Split differently on the way back: chunk boundaries fall elsewhere.
+        # Split differently on the way back: piece boundaries fall elsewhere.
         assert backend.batch_get(keys[::-1], [segments_of(b, BIG_SIZES[::-1]) for b in dst]) == [Status.OK] * 8
     finally:
         backend.close()
-    for threads in (put_threads, four_copy_threads):
-        # 4 chunks: the caller copies one, the copy threads the rest (an idle
-        # copy thread may take two, so only "several threads" is certain).
-        assert len(threads) == 4, threads
-        assert threads.count(threading.current_thread().name) == 1, threads
-        assert sum(t.startswith("vllm_aio-copy") for t in threads) == 3, threads
+    assert [t for t in threading.enumerate() if t.name.startswith("vllm_aio-copy")]
     for key, buf in zip(keys[::-1], dst):
         assert np.array_equal(buf, payload(key, BIG)), key
 
 
-def test_slot_evicted_while_another_thread_copies_it_is_corrupt_alone(name, four_copy_threads, monkeypatch):
+def test_slot_evicted_while_several_threads_copy_is_corrupt_alone(name, four_copy_threads, monkeypatch):
     keys = [f"big{i}" for i in range(8)]
     reader = open_backend(name, slots=8, value=BIG)
     writer = open_backend(name, slots=8, value=BIG)
-    evicted = threading.Event()
-    real_run = segments._run
+    real_copy_many = local.copy_many
 
-    def run_while_another_process_evicts(*chunk):
-        # In a copy thread, mid-batch: a writer evicts the LRU key, the first
-        # one pinned by this get, and takes its slot (reserve bumps its version).
-        if threading.current_thread().name.startswith("vllm_aio-copy") and not evicted.is_set():
-            evicted.set()
-            [slot] = writer.pool.reserve(["intruder"])
-            assert slot is not None and slot >= 0
-            writer.pool.abandon([slot])
-        real_run(*chunk)
+    def copy_while_another_process_evicts(*args, **kwargs):
+        # Between pin and copy: a writer evicts the LRU key, the first one
+        # pinned by this get, and takes its slot (reserve bumps its version).
+        [slot] = writer.pool.reserve(["intruder"])
+        assert slot is not None and slot >= 0
+        writer.pool.abandon([slot])
+        real_copy_many(*args, **kwargs)
 
     try:
         src = [payload(k, BIG) for k in keys]
         assert reader.batch_put(keys, [segments_of(b, BIG_SIZES) for b in src]) == [Status.OK] * 8
-        monkeypatch.setattr(segments, "_run", run_while_another_process_evicts)
+        monkeypatch.setattr(local, "copy_many", copy_while_another_process_evicts)
         statuses, dst = get(reader, keys, size=BIG)
     finally:
         reader.close()
         writer.close()
-    assert evicted.is_set()
     assert statuses == [Status.CORRUPT] + [Status.OK] * 7
     for key, buf in zip(keys[1:], dst[1:]):
         assert np.array_equal(buf, payload(key, BIG)), key
@@ -306,11 +288,11 @@ def test_slot_evicted_while_another_thread_copies_it_is_corrupt_alone(name, four
 def test_put_whose_copy_fails_frees_its_reserved_slots(name, monkeypatch):
     backend = open_backend(name, slots=4)
 
-    def failing_copy_all(copies, *args, **kwargs):
+    def failing_copy_many(*args, **kwargs):
         raise OSError("copy failed")
 
     try:
-        monkeypatch.setattr(local, "copy_all", failing_copy_all)
+        monkeypatch.setattr(local, "copy_many", failing_copy_many)
         with pytest.raises(OSError):
             put(backend, ["a", "b"])
         monkeypatch.undo()

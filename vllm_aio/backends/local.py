@@ -7,8 +7,9 @@ it the same ``local_pool_name``; otherwise its name is the instance's engine id
 and it is sealed (unlinked) once the last of its processes has attached.
 
 A batch's copies run together after one index operation (``reserve`` or
-``pin_for_read``) and before the next (``commit`` or the version checks), so
-a large batch is copied by several threads (``segments.copy_all``).
+``pin_for_read``) and before the next (``commit`` or the version checks), in
+one ``host_copy.copy_many`` call: compiled loops, on every core for a large
+batch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vllm_aio.backends.base import Backend, Segment, Status, distinct_only
-from vllm_aio.backends.segments import CopyBatch, copy_all, total
+from vllm_aio.backends.segments import FlatSegments
+from vllm_aio.host_copy import copy_many
 from vllm_aio.pool.host_pool import SharedHostPool, slots_for
 
 
@@ -47,25 +49,26 @@ class LocalBackend(Backend):
         return distinct_only(self._put_distinct, keys, segments)
 
     def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+        values = FlatSegments.of(segments)
+        fits = (values.totals() == self.pool.slot_size).tolist()
         out: list[Status] = []
         filled: list[int] = []  # slots copied into, published by commit
         positions: list[int] = []  # their positions in `keys`
-        copies = CopyBatch()
-        for segs, slot in zip(segments, self.pool.reserve(keys)):
+        for i, slot in enumerate(self.pool.reserve(keys)):
             if slot is None:
                 out.append(Status.EXISTS)
             elif slot < 0:
                 out.append(Status.NO_SPACE)
-            elif total(segs) != self.pool.slot_size:
+            elif not fits[i]:
                 self.pool.abandon([slot])
                 out.append(Status.ERROR)
             else:
-                copies.gather(segs, self.pool.slot_address(slot))
                 filled.append(slot)
-                positions.append(len(out))
+                positions.append(i)
                 out.append(Status.OK)
         try:
-            copy_all(copies)  # the whole batch at once: a large one is shared by several threads
+            # The whole batch at once: a large one is shared by several threads.
+            copy_many(*values.gather_copies(positions, [self.pool.slot_address(s) for s in filled]))
         except BaseException:
             self.pool.abandon(filled)  # or the reserved slots stay WRITING, lost for good
             raise
@@ -79,20 +82,21 @@ class LocalBackend(Backend):
         return distinct_only(self._get_distinct, keys, segments)
 
     def _get_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+        values = FlatSegments.of(segments)
+        fits = (values.totals() == self.pool.slot_size).tolist()
         out: list[Status] = []
         copied: list[tuple[int, int, int]] = []  # (position in `keys`, slot, version)
-        copies = CopyBatch()
-        for segs, pinned in zip(segments, self.pool.pin_for_read(keys)):
+        for i, pinned in enumerate(self.pool.pin_for_read(keys)):
             if pinned is None:
                 out.append(Status.MISSING)
-            elif total(segs) != self.pool.slot_size:
+            elif not fits[i]:
                 out.append(Status.CORRUPT)
             else:
                 slot, version = pinned
-                copies.scatter(self.pool.slot_address(slot), segs)
-                copied.append((len(out), slot, version))
+                copied.append((i, slot, version))
                 out.append(Status.OK)
-        copy_all(copies)
+        sources = [self.pool.slot_address(slot) for _, slot, _ in copied]
+        copy_many(*values.scatter_copies(sources, [i for i, _, _ in copied]))
         # Checked once every copy is done: a slot evicted and rewritten at any
         # time since its pin, during its copy included, shows a new version.
         for i, slot, version in copied:

@@ -13,30 +13,27 @@ cache's device, for batched gathers and scatters (one call per plane and batch,
 not per block: per-block copies used a fifth of an H200's PCIe link).
 
 ``gather_planes`` and ``scatter_planes`` are the host fast paths (the dynamic
-buffer's host copy): numpy's row-wise take and fancy assignment, straight
-into the destination, the blocks shared out over the copy threads of
-``backends/segments.py``. ``gather``
-allocates ``index_select``'s result and copies it again (~2.5 GB/s on the
-H200 host; 1.3 GB/s on a dev box where numpy's take reaches 5.7-6.6 GB/s on
-one thread), and ``index_copy_`` on the CPU copies element by element (1.1
-GB/s there against 8.6-10.5 GB/s for numpy's fancy assignment).
+buffer's host copy): one ``host_copy.copy_rows`` per plane, straight into the
+destination, on the copy threads. ``gather`` allocates ``index_select``'s
+result and copies it again (~2.5 GB/s on the H200 host; 1.3 GB/s on a dev
+box where numpy's take reaches 5.7-6.6 GB/s on one thread), and
+``index_copy_`` on the CPU copies element by element (1.1 GB/s there against
+8.6-10.5 GB/s for numpy's fancy assignment). ``copy_rows`` copies as fast as
+numpy's take and fancy assignment did (12-31 GB/s either way on a 2-core VM,
+1-32 MiB per call) and takes strided planes as they are, where numpy's take
+first copied the whole plane.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
 
 from vllm_aio.backends import Segment
-from vllm_aio.backends.segments import copy_threads, run_parallel
-
-# A thread is given at least this much to copy: waking one and waiting for it
-# costs tens of microseconds, 1 MiB takes ~100 us on one core.
-MIN_PART_BYTES = 1 << 20
+from vllm_aio.host_copy import copy_rows
 
 
 @dataclass(frozen=True)
@@ -105,47 +102,32 @@ class BlockLayout:
     def gather_planes(self, block_ids: torch.Tensor, layer: int, out: torch.Tensor) -> None:
         """Copy the blocks of ``layer`` into ``out`` (``plane_rows`` layout); host memory only.
 
-        ``block_ids`` is a CPU int64 tensor. ``numpy.take`` copies row by row
-        with the GIL released, so the parts really run at once (and, unlike
-        torch's ops on several threads, it starts no OpenMP team per thread).
+        ``block_ids`` is a CPU int64 tensor.
         """
         n = len(block_ids)
-        self._check_ids(block_ids)
-        ids = block_ids.numpy()
-        rows = self.plane_rows(layer, out, n)
-        threads, parts = self._parts(layer, n)
-        run_parallel([
-            partial(_take_rows, p, ids[a:b], r[a:b]) for p, r in zip(self.planes[layer], rows) for a, b in parts
-        ], threads)
+        ids = self._checked_ids(block_ids, out)
+        rows = np.arange(n)
+        for p, r in zip(self.planes[layer], self.plane_rows(layer, out, n)):
+            copy_rows(r.data_ptr(), p.size, rows, p.base, p.stride, ids, p.size)
 
     def scatter_planes(self, src: torch.Tensor, block_ids: torch.Tensor, layer: int) -> None:
         """Copy ``src`` (``plane_rows`` layout) into the blocks of ``layer``; host memory only.
 
-        numpy's fancy assignment copies row by row with the GIL released.
-        ``block_ids`` must not repeat (the parts would race for a block).
+        ``block_ids`` must not repeat (the copy threads would race for a block).
         """
         n = len(block_ids)
-        self._check_ids(block_ids)
-        ids = block_ids.numpy()
-        rows = self.plane_rows(layer, src, n)
-        threads, parts = self._parts(layer, n)
-        run_parallel([
-            partial(_assign_rows, p.blocks.numpy(), ids[a:b], r[a:b].numpy())
-            for p, r in zip(self.planes[layer], rows)
-            for a, b in parts
-        ], threads)
+        ids = self._checked_ids(block_ids, src)
+        rows = np.arange(n)
+        for p, r in zip(self.planes[layer], self.plane_rows(layer, src, n)):
+            copy_rows(p.base, p.stride, ids, r.data_ptr(), p.size, rows, p.size)
 
-    def _check_ids(self, block_ids: torch.Tensor) -> None:
-        # numpy.take runs with mode="clip" (mode="raise" copies through a buffer): out-of-range ids must not reach it.
+    def _checked_ids(self, block_ids: torch.Tensor, buffer: torch.Tensor) -> np.ndarray:
+        """``block_ids`` for ``copy_rows``, which copies between raw addresses: nothing out of place may reach it."""
+        if self.device.type != "cpu" or buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("host fast paths need a host cache and a contiguous host buffer")
         if len(block_ids) and not (0 <= int(block_ids.min()) and int(block_ids.max()) < self.num_blocks):
             raise IndexError(f"block ids outside [0, {self.num_blocks})")
-
-    def _parts(self, layer: int, n: int) -> tuple[int, list[tuple[int, int]]]:
-        """The threads worth using on ``n`` blocks of ``layer``, and the row ranges splitting each plane for them."""
-        threads = max(1, min(copy_threads(), n * self.layer_bytes(layer) // MIN_PART_BYTES))
-        per_plane = max(1, -(-threads // len(self.planes[layer])))
-        step = -(-n // per_plane)
-        return threads, [(a, min(n, a + step)) for a in range(0, n, step)] if n else []
+        return block_ids.numpy()
 
 
 def _planes(name: str, t: torch.Tensor, num_blocks: int) -> list[_Plane]:
@@ -173,14 +155,3 @@ def _planes(name: str, t: torch.Tensor, num_blocks: int) -> list[_Plane]:
         )
         for s in starts
     ]
-
-
-def _take_rows(plane: _Plane, ids: np.ndarray, out: torch.Tensor) -> None:
-    if plane.stride != plane.size:  # numpy.take would first copy the whole strided plane
-        torch.index_select(plane.blocks, 0, torch.from_numpy(ids), out=out)
-    else:
-        np.take(plane.blocks.numpy(), ids, axis=0, out=out.numpy(), mode="clip")
-
-
-def _assign_rows(dst: np.ndarray, ids: np.ndarray, src: np.ndarray) -> None:
-    dst[ids] = src
