@@ -4,7 +4,9 @@ Loaded by real vLLM through ``kv_connector_module_path: faulty_connector``;
 ``AIO_FAULT`` picks the fault. Everything else (vLLM, the connector, the
 embedded pool) is the real thing.
 
-Segments of a load are ``[header, payload...]`` (host KV cache).
+Segments of a load are ``[header, payload...]`` (host KV cache). The embedded
+pool's direct path (``Backend.slots``) gets the same faults at its slot store:
+a missing pin, a version that changed during the copy, a scribbled payload.
 
 - ``lost_and_torn``: on load, the 3rd block of each request is reported
   MISSING (evicted after lookup) and the 5th is filled with garbage and
@@ -24,6 +26,7 @@ import os
 from vllm_aio.backends import Status
 from vllm_aio.connector import AioConnector
 from vllm_aio.connector.layer_buffer import BufferHooks
+from vllm_aio.pool.entry import HEADER_BYTES
 
 
 class _FaultyBackend:
@@ -45,6 +48,10 @@ class _FaultyBackend:
         self._down()
         return self.inner.batch_put(keys, segments)
 
+    def slots(self):
+        inner = self.inner.slots()
+        return None if inner is None else _FaultySlots(inner, self.fault)
+
     def batch_get(self, keys, segments):
         self._down()
         statuses = self.inner.batch_get(keys, segments)
@@ -57,6 +64,39 @@ class _FaultyBackend:
             _scribble(segments[4][1:])
             statuses[4] = Status.CORRUPT
         return statuses
+
+
+class _FaultySlots:
+    """The embedded pool's slot store with the same faults as ``_FaultyBackend.batch_get``."""
+
+    def __init__(self, inner, fault: str) -> None:
+        self.inner, self.fault = inner, fault
+        self._torn: set[int] = set()
+
+    def __getattr__(self, name):  # the mapping itself (region, slot_size) stays
+        if self.fault == "pool_down" and name in ("reserve", "commit", "abandon"):
+            raise ConnectionError("injected: pool unreachable")
+        return getattr(self.inner, name)
+
+    def pin_for_read(self, keys):
+        if self.fault == "pool_down":
+            raise ConnectionError("injected: pool unreachable")
+        pins = self.inner.pin_for_read(keys)
+        if len(keys) > 2 and pins[2] is not None:
+            if self.fault == "silent_garbage":  # the payload only: the header still matches
+                address = self.inner.region()[0] + pins[2][0] * self.inner.slot_size
+                _scribble([(address + HEADER_BYTES, self.inner.slot_size - HEADER_BYTES)])
+            else:
+                pins[2] = None
+        if len(keys) > 4 and pins[4] is not None and self.fault == "lost_and_torn":
+            self._torn.add(pins[4][0])
+        return pins
+
+    def still_valid(self, slot, version):
+        if slot in self._torn:  # rewritten while it was copied
+            self._torn.discard(slot)
+            return False
+        return self.inner.still_valid(slot, version)
 
 
 def _scribble(segments) -> None:

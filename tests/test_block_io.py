@@ -243,8 +243,8 @@ def test_a_direct_save_that_raises_gives_its_reserved_slot_back(device, monkeypa
     backend = LocalBackend(f"io-{uuid.uuid4().hex[:8]}", value, value, seal=True)  # one slot
     saver, _, _ = make_io(device, shape, backend, seed=1)
     with monkeypatch.context() as m:
-        m.setattr(BlockLayout, "gather", lambda *a: (_ for _ in ()).throw(RuntimeError("gather failed")))
-        with pytest.raises(RuntimeError, match="gather failed"):
+        m.setattr(MappedSlots, "copy_out", lambda *a: (_ for _ in ()).throw(RuntimeError("copy failed")))
+        with pytest.raises(RuntimeError, match="copy failed"):
             saver.save(refs([3]), EVERY_LAYER, saver.device.record(), CopyHandoff())
     # Had the slot stayed reserved, the pool would have no room for this one.
     assert saver.save(refs([1]), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK]

@@ -425,7 +425,8 @@ def open_block_io(
     """A ``BlockIO`` over these cache tensors, wired as every user needs it.
 
     Values move straight between the pool's slots and the cache where the
-    backend has slots and the device can map them (``MappedSlots.open``).
+    backend has slots and the device can map them (``MappedSlots.open``: the
+    embedded pool on the CPU and on CUDA).
 
     One staging buffer per direction (page-locked on accelerators), and the
     memory the backend will copy between registered with it once: the
@@ -439,7 +440,7 @@ def open_block_io(
     spans = layout.memory_spans() if device.is_host else []
     for address, size in spans + [(s.address, s.capacity) for s in (loads, saves)]:
         backend.register_memory(address, size)
-    direct = None if device.is_host else MappedSlots.open(backend.slots(), layout, device)
+    direct = MappedSlots.open(backend.slots(), layout, device)
     return BlockIO(layout, backend, header, loads, saves, timeout, direct)
 
 
