@@ -3,6 +3,7 @@ request and scheduler-output objects (the end-to-end tests use the real ones).""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -50,11 +51,16 @@ class Req:
     block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.block_hashes = [f"{self.request_id}-{i}".encode() for i in range(self.num_tokens // BS)]
+        self.block_hashes = [block_hash(self.request_id, i) for i in range(self.num_tokens // BS)]
 
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.num_output_tokens
+
+
+def block_hash(req_id: str, index: int) -> bytes:
+    """A stand-in for vLLM's chained block hash: fixed size, like sha256."""
+    return hashlib.sha256(f"{req_id}-{index}".encode()).digest()
 
 
 def deployment(
@@ -165,7 +171,7 @@ def test_allocated_hit_becomes_a_load_of_exactly_the_pool_blocks():
     sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), n)
     meta = sched.build_connector_meta(step(new=[("a", [10, 11, 12, 13, 14, 15], 16)], scheduled={"a": 6}))
     (load,) = meta.loads
-    assert load.block_ids == [11, 12, 13]
+    assert list(load.block_ids) == [11, 12, 13]
     assert load.block_hashes == req.block_hashes[1:4]
     assert (meta.lookups.hit_tokens, meta.lookups.miss_tokens) == (12, 6)
     assert sched.build_connector_meta(step()).loads == []
@@ -217,9 +223,9 @@ def test_chunked_prefill_saves_each_block_once_as_it_fills():
     req = Req("a", 18)
     sched.update_state_after_alloc(req, blocks([7, 8, 9]), 0)
     m1 = sched.build_connector_meta(step(new=[("a", [7, 8, 9], 0)], scheduled={"a": 10}))
-    assert [s.block_ids for s in m1.saves] == [[7, 8]]
+    assert [list(s.block_ids) for s in m1.saves] == [[7, 8]]
     m2 = sched.build_connector_meta(step(cached=[("a", [10, 11], 10, False)], scheduled={"a": 8}))
-    assert [s.block_ids for s in m2.saves] == [[9, 10]]
+    assert [list(s.block_ids) for s in m2.saves] == [[9, 10]]
     assert m2.saves[0].block_hashes == req.block_hashes[2:4]
 
 
@@ -230,9 +236,9 @@ def test_decode_blocks_are_saved_only_with_save_decode_cache():
         sched.update_state_after_alloc(req, blocks([1, 2]), 0)
         sched.build_connector_meta(step(new=[("a", [1, 2], 0)], scheduled={"a": 8}))
         req.num_output_tokens = 4
-        req.block_hashes.append(b"a-2")
+        req.block_hashes.append(block_hash("a", 2))
         meta = sched.build_connector_meta(step(cached=[("a", [3], 11, False)], scheduled={"a": 1}))
-        assert [s.block_ids for s in meta.saves] == expected
+        assert [list(s.block_ids) for s in meta.saves] == expected
 
 
 def test_resumed_request_saves_into_its_new_blocks():
@@ -241,7 +247,7 @@ def test_resumed_request_saves_into_its_new_blocks():
     sched.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 0)
     sched.build_connector_meta(step(new=[("a", [1, 2, 3, 4], 0)], scheduled={"a": 8}))
     meta = sched.build_connector_meta(step(cached=[("a", [5, 6, 7, 8], 0, True)], scheduled={"a": 16}))
-    assert [s.block_ids for s in meta.saves] == [[5, 6, 7, 8]]
+    assert [list(s.block_ids) for s in meta.saves] == [[5, 6, 7, 8]]
 
 
 def test_role_without_save_plans_no_saves():
@@ -312,7 +318,7 @@ def test_blocks_loaded_from_the_pool_are_not_saved_again():
     n, _ = sched.get_num_new_matched_tokens(req, 4)  # block 0 from vLLM's own cache
     sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), n)
     meta = sched.build_connector_meta(step(new=[("a", [10, 11, 12, 13, 14, 15], 16)], scheduled={"a": 6}))
-    assert [s.block_ids for s in meta.saves] == [[10], [14]]
+    assert [list(s.block_ids) for s in meta.saves] == [[10], [14]]
 
 
 def test_readmitted_request_is_not_counted_as_a_second_miss():
