@@ -362,3 +362,86 @@ def test_buffer_step_of_a_decode_loads_its_context_up_to_the_new_token():
 def test_without_the_buffer_no_buffer_step_is_sent():
     sched = AioScheduler(deployment(), DictBackend())
     assert sched.build_connector_meta(step()).buffer is None
+
+
+# ---- incremental lookups --------------------------------------------------------------
+
+
+class EpochBackend(DictBackend):
+    """A store with a presence epoch (as the embedded pool's eviction counter); records how many blocks each lookup asks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch = 0
+        self.asked: list[int] = []
+
+    def presence_epoch(self):
+        return self.epoch
+
+    def count_complete_blocks(self, parts, hashes):
+        self.asked.append(len(hashes))
+        return super().count_complete_blocks(parts, hashes)
+
+
+def test_a_waiting_request_is_asked_again_only_from_the_first_block_not_found():
+    backend, dep = EpochBackend(), deployment()
+    req = Req("a", 22)  # 5 full blocks
+    store(backend, dep, req, 3)
+    sched = AioScheduler(dep, backend)
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, False)
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, False)
+    store(backend, dep, req, 5)  # saved meanwhile by another request
+    assert sched.get_num_new_matched_tokens(req, 0) == (20, False)
+    assert sched.get_num_new_matched_tokens(req, 0) == (20, False)
+    assert backend.asked == [5, 2, 2, 0]
+
+
+def test_an_eviction_since_the_last_lookup_makes_the_next_one_start_over():
+    backend, dep = EpochBackend(), deployment()
+    req = Req("a", 22)
+    store(backend, dep, req, 5)
+    sched = AioScheduler(dep, backend)
+    assert sched.get_num_new_matched_tokens(req, 0) == (20, False)
+    backend.keys.remove(block_key(dep.namespace.digest(), "pp0.dcp0.h0", req.block_hashes[1]))
+    backend.epoch += 1
+    assert sched.get_num_new_matched_tokens(req, 0) == (4, False)
+    assert backend.asked == [5, 5]
+
+
+def test_a_store_without_an_epoch_is_asked_from_vllms_hit_every_time():
+    backend, dep = DictBackend(), deployment()
+    req = Req("a", 22)
+    store(backend, dep, req, 5)
+    sched = AioScheduler(dep, backend)
+    asked = []
+    count = backend.count_complete_blocks
+    backend.count_complete_blocks = lambda parts, hashes: asked.append(len(hashes)) or count(parts, hashes)
+    for _ in range(2):
+        assert sched.get_num_new_matched_tokens(req, 4) == (16, False)
+    assert asked == [4, 4]
+
+
+def test_what_lookups_found_is_forgotten_once_the_request_is_admitted_or_finished():
+    backend, dep = EpochBackend(), deployment()
+    a, b = Req("a", 22), Req("b", 22)
+    for req in (a, b):
+        store(backend, dep, req, 5)
+    sched = AioScheduler(dep, backend)
+    n, _ = sched.get_num_new_matched_tokens(a, 0)
+    sched.update_state_after_alloc(a, blocks([1, 2, 3, 4, 5, 6]), n)
+    sched.get_num_new_matched_tokens(b, 0)
+    sched.request_finished(b, [])
+    sched.get_num_new_matched_tokens(a, 0)  # preempted and waiting again
+    sched.get_num_new_matched_tokens(b, 0)  # a new request reusing the id
+    assert backend.asked == [5, 5, 5, 5]
+
+
+def test_a_lookup_from_beyond_what_was_found_asks_from_vllms_hit():
+    backend, dep = EpochBackend(), deployment()
+    req = Req("a", 22)
+    store(backend, dep, req, 2)
+    sched = AioScheduler(dep, backend)
+    assert sched.get_num_new_matched_tokens(req, 0) == (8, False)
+    store(backend, dep, req, 5)
+    assert sched.get_num_new_matched_tokens(req, 12) == (8, False)  # vLLM now holds 3 blocks itself
+    assert backend.asked == [5, 2]
