@@ -12,6 +12,9 @@ Segments of a load are ``[header, payload...]`` (host KV cache).
 - ``silent_garbage``: the 3rd block is filled with garbage but reported OK:
   a negative control proving the tests notice wrong KV.
 - ``pool_down``: every backend call raises.
+- ``evict_after_lookup``: the second lookup that finds blocks (a warm pass
+  after a warm pass) then evicts the pool's least recently used value, for
+  real: one part of the oldest stored block is gone before its load.
 - ``skip_buffer_load``: the dynamic buffer never loads layer 3 (a negative
   control: attention then reads another layer's KV).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import uuid
 
 from vllm_aio.backends import Status
 from vllm_aio.connector import AioConnector
@@ -41,6 +45,15 @@ class _FaultyBackend:
         self._down()
         return self.inner.batch_exists(keys)
 
+    def count_complete_blocks(self, parts, hashes):
+        self._down()
+        found = self.inner.count_complete_blocks(parts, hashes)
+        if found and self.fault == "evict_after_lookup":
+            self.hits = getattr(self, "hits", 0) + 1
+            if self.hits == 2:
+                _evict_one(self.inner.pool)
+        return found
+
     def batch_put(self, keys, segments):
         self._down()
         return self.inner.batch_put(keys, segments)
@@ -57,6 +70,13 @@ class _FaultyBackend:
             _scribble(segments[4][1:])
             statuses[4] = Status.CORRUPT
         return statuses
+
+
+def _evict_one(pool) -> None:
+    """Reserve every free slot and one more, so the pool evicts its least recently used value; then free them."""
+    usage = pool.usage()
+    slots = pool.reserve([f"evict-{uuid.uuid4().hex}" for _ in range(usage.num_slots - usage.num_ready + 1)])
+    pool.abandon([s for s in slots if s is not None and s >= 0])
 
 
 def _scribble(segments) -> None:
