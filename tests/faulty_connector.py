@@ -12,9 +12,10 @@ Segments of a load are ``[header, payload...]`` (host KV cache).
 - ``silent_garbage``: the 3rd block is filled with garbage but reported OK:
   a negative control proving the tests notice wrong KV.
 - ``pool_down``: every backend call raises.
-- ``evict_after_lookup``: the second lookup that finds blocks (a warm pass
-  after a warm pass) then evicts the pool's least recently used value, for
-  real: one part of the oldest stored block is gone before its load.
+- ``evict_after_lookup``: the second lookup that finds blocks (in a run of
+  one request at a time, the second warm pass) then evicts the pool's least
+  recently used value, for real: one part of a block the lookup counted is
+  gone before its load.
 - ``skip_buffer_load``: the dynamic buffer never loads layer 3 (a negative
   control: attention then reads another layer's KV).
 """
@@ -61,7 +62,7 @@ class _FaultyBackend:
     def batch_get(self, keys, segments):
         self._down()
         statuses = self.inner.batch_get(keys, segments)
-        if len(keys) > 2:
+        if len(keys) > 2 and self.fault in ("lost_and_torn", "silent_garbage"):
             # Garbage in the payload only: the value's header stays valid, so
             # only the status tells the connector that the block is bad.
             _scribble(segments[2][1:])
