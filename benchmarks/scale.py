@@ -66,6 +66,8 @@ LENGTHS = (4096, 16384, 32768, 65536, 131072)
 SHAPES = [(layers, tp, layerwise) for layerwise in (False, True) for layers in (32, 61) for tp in (1, 8)]
 FILL_BATCH = 1 << 16  # keys per reserve/commit while filling
 MOONCAKE_VALUE = 64  # bytes of each probe key's value
+MOONCAKE_PUT_BATCH = 1024  # keys per put: 4,096 overflow the tcp transport's queue (rc -1 for most)
+MOONCAKE_POOL = "4GB"  # the master hands out space in large units: 65,536 tiny values fill 256 MB
 
 
 @dataclass
@@ -264,7 +266,7 @@ def mooncake_rows(shapes, lengths, reps) -> tuple[list[Row], list[dict]]:
 
     hashes = prompt_hashes(max(lengths) // BS)
     rows = []
-    with MooncakePool("256MB") as pool:
+    with MooncakePool(MOONCAKE_POOL) as pool:
         backend = MooncakeBackend(MooncakeSettings.load(pool.config, environ={}))
         try:
             value = (ctypes.c_ubyte * MOONCAKE_VALUE)()
@@ -273,11 +275,12 @@ def mooncake_rows(shapes, lengths, reps) -> tuple[list[Row], list[dict]]:
             for layers, tp, layerwise in shapes:
                 dep = deployment(layers, tp, layerwise)
                 keys = parts_of(dep).probe_keys(hashes)
-                for start in range(0, len(keys), 4096):
-                    batch = keys[start : start + 4096]
+                for start in range(0, len(keys), MOONCAKE_PUT_BATCH):
+                    batch = keys[start : start + MOONCAKE_PUT_BATCH]
                     statuses = backend.batch_put(batch, segments * len(batch))
-                    if not all(s.stored for s in statuses):
-                        raise RuntimeError(f"Mooncake put failed: {statuses[0]}")
+                    failed = [s for s in statuses if not s.stored]
+                    if failed:
+                        raise RuntimeError(f"Mooncake put: {len(failed)} of {len(batch)} keys {failed[0]}")
                 rows += measure("Mooncake", backend, dep, hashes, lengths, reps, before_max_keys=0)
                 print(f"  Mooncake {layers} layers TP={tp} {'layerwise' if layerwise else 'whole'}: done", flush=True)
             master = master_cost(backend, parts_of(deployment(*shapes[0])).probe_keys(hashes), reps)

@@ -1,10 +1,10 @@
 """The scheduler half: decides which blocks to load from and save to the pool.
 
 It runs in vLLM's engine-core process, on its scheduling thread, and never
-touches KV bytes. Per step it
-turns vLLM's scheduling decisions into an ``AioConnectorMetadata``: the blocks
-each request loads before its forward (pool hits beyond vLLM's own prefix
-cache) and the blocks that become full during the forward and get saved.
+touches KV bytes. Per step it turns vLLM's scheduling decisions into an
+``AioConnectorMetadata``: the blocks each request loads before its forward
+(pool hits beyond vLLM's own prefix cache) and the blocks that become full
+during the forward and get saved.
 
 Saved blocks are copied out of the cache inside the step that filled them
 (the worker's ``wait_for_save``), before vLLM can free or reuse a block; the
