@@ -14,6 +14,10 @@ a missing pin, a version that changed during the copy, a scribbled payload.
 - ``silent_garbage``: the 3rd block is filled with garbage but reported OK:
   a negative control proving the tests notice wrong KV.
 - ``pool_down``: every backend call raises.
+- ``evict_after_lookup``: the second lookup that finds blocks (in a run of
+  one request at a time, the second warm pass) then evicts the pool's least
+  recently used value, for real: one part of a block the lookup counted is
+  gone before its load.
 - ``skip_buffer_load``: the dynamic buffer never loads layer 3 (a negative
   control: attention then reads another layer's KV).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import uuid
 
 from vllm_aio.backends import Status
 from vllm_aio.connector import AioConnector
@@ -44,6 +49,15 @@ class _FaultyBackend:
         self._down()
         return self.inner.batch_exists(keys)
 
+    def count_complete_blocks(self, parts, hashes):
+        self._down()
+        found = self.inner.count_complete_blocks(parts, hashes)
+        if found and self.fault == "evict_after_lookup":
+            self.hits = getattr(self, "hits", 0) + 1
+            if self.hits == 2:
+                _evict_one(self.inner.pool)
+        return found
+
     def batch_put(self, keys, segments):
         self._down()
         return self.inner.batch_put(keys, segments)
@@ -55,7 +69,7 @@ class _FaultyBackend:
     def batch_get(self, keys, segments):
         self._down()
         statuses = self.inner.batch_get(keys, segments)
-        if len(keys) > 2:
+        if len(keys) > 2 and self.fault in ("lost_and_torn", "silent_garbage"):
             # Garbage in the payload only: the value's header stays valid, so
             # only the status tells the connector that the block is bad.
             _scribble(segments[2][1:])
@@ -86,7 +100,7 @@ class _FaultySlots:
             if self.fault == "silent_garbage":  # the payload only: the header still matches
                 address = self.inner.region()[0] + pins[2][0] * self.inner.slot_size
                 _scribble([(address + HEADER_BYTES, self.inner.slot_size - HEADER_BYTES)])
-            else:
+            elif self.fault == "lost_and_torn":
                 pins[2] = None
         if len(keys) > 4 and pins[4] is not None and self.fault == "lost_and_torn":
             self._torn.add(pins[4][0])
@@ -97,6 +111,13 @@ class _FaultySlots:
             self._torn.discard(slot)
             return False
         return self.inner.still_valid(slot, version)
+
+
+def _evict_one(pool) -> None:
+    """Reserve every free slot and one more, so the pool evicts its least recently used value; then free them."""
+    usage = pool.usage()
+    slots = pool.reserve([f"evict-{uuid.uuid4().hex}" for _ in range(usage.num_slots - usage.num_ready + 1)])
+    pool.abandon([s for s in slots if s is not None and s >= 0])
 
 
 def _scribble(segments) -> None:

@@ -28,6 +28,7 @@ from vllm_aio.backends import Backend, Memory, Segment, Status
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache import MemcacheBackend
 from vllm_aio.backends.memcache_settings import MemcacheSettings
+from vllm_aio.pool.keys import BlockParts
 
 pytest_plugins = ["mooncake_fixtures"]
 
@@ -231,3 +232,39 @@ def test_segments_may_point_to_host_memory_and_other_kinds_are_refused(open_back
 def test_describe_is_one_line(open_backend: Opener) -> None:
     line = open_backend(4096).describe()
     assert line and "\n" not in line
+
+
+def block_parts() -> BlockParts:
+    return BlockParts(uuid.uuid4().hex[:16], ("pp0.dcp0.h0", "pp0.dcp0.h1"), (0, 1))
+
+
+def test_complete_blocks_counts_leading_blocks_with_every_part_stored(open_backend: Opener) -> None:
+    backend, parts = open_backend(4096), block_parts()
+    hashes = [random.randbytes(32) for _ in range(4)]
+    keys = [key for h in hashes[:2] + hashes[3:] for key in parts.keys(h)]  # block 2: no part at all
+    values = Values(backend, len(keys))
+    assert backend.batch_put(keys, values.segments(values.src)) == [Status.OK] * len(keys)
+    assert backend.count_complete_blocks(parts, hashes) == 2
+    assert backend.count_complete_blocks(parts, hashes[3:]) == 1
+    assert backend.count_complete_blocks(parts, []) == 0
+
+
+@pytest.mark.parametrize("open_backend", ["local", "memory"], indirect=True)
+def test_exact_stores_stop_at_a_block_missing_any_one_part(open_backend: Opener) -> None:
+    # Remote stores probe one part per block (test_remote.py); a missing other part fails at load.
+    backend, parts = open_backend(4096), block_parts()
+    hashes = [random.randbytes(32) for _ in range(3)]
+    keys = [key for h in hashes for key in parts.keys(h)]
+    del keys[5]  # block 1, one part
+    values = Values(backend, len(keys))
+    assert backend.batch_put(keys, values.segments(values.src)) == [Status.OK] * len(keys)
+    assert backend.count_complete_blocks(parts, hashes) == 1
+
+
+def test_presence_epoch_is_a_number_or_none_and_steady_without_evictions(open_backend: Opener) -> None:
+    backend = open_backend(4096)
+    values, keys = Values(backend, 2), unique(2)
+    before = backend.presence_epoch()
+    assert before is None or isinstance(before, int)
+    backend.batch_put(keys, values.segments(values.src))
+    assert backend.presence_epoch() == before

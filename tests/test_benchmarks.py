@@ -35,6 +35,7 @@ SCRIPTS = {
     "layer_pipeline": ((), "prefix tokens"),
     "dynamic_buffer": ((), "phase"),
     "pool_bandwidth": ((), "case"),
+    "scale": ((), "pool"),
     "mooncake_backend": (("mooncake",), "case"),
     "ttft": (("vllm",), "model"),
     "mooncake_ttft": (("vllm", "mooncake"), "model"),

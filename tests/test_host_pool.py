@@ -1,4 +1,4 @@
-"""Unit tests of ``vllm_aio.pool.host_pool.SharedHostPool``: index, slots, lifecycle.
+"""Unit tests of ``vllm_aio.pool.host_pool.SharedHostPool``: index, slots, block records, lifecycle.
 
 Behaviour seen through the ``Backend`` contract (statuses, LRU, concurrency)
 is tested in ``test_local_backend.py``; this file covers the pool's own API
@@ -9,6 +9,7 @@ Every test uses a pool name of its own and checks nothing is left behind.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import multiprocessing as mp
 import os
 import signal
@@ -19,7 +20,8 @@ import fcntl
 import pytest
 
 from vllm_aio.pool import host_pool
-from vllm_aio.pool.host_pool import SHM_DIR, SharedHostPool, pool_path, slots_for
+from vllm_aio.pool.host_pool import SHM_DIR, SharedHostPool, namespace_groups, pool_path, slots_for
+from vllm_aio.pool.keys import BlockParts
 
 SLOT = 64
 
@@ -494,3 +496,111 @@ def test_attacher_racing_the_last_close_shares_its_lock_with_later_attachers(nam
         fcntl.flock(later._lock_fd, fcntl.LOCK_UN)
         racer.close()
         later.close()
+
+
+# ---- block records ----------------------------------------------------------------
+
+DIGEST = "0123456789abcdef"
+PARTS = BlockParts(DIGEST, ("pp0.dcp0.h0", "pp0.dcp0.h1"), (0, 1, 2))  # 2 shards x 3 layers
+
+
+def block_hashes(n: int, tag: str = "b") -> list[bytes]:
+    return [hashlib.sha256(f"{tag}{i}".encode()).digest() for i in range(n)]
+
+
+def put_keys(pool: SharedHostPool, keys: list[str]) -> None:
+    assert all(pool.commit([s for s in pool.reserve(keys) if s is not None]))
+
+
+def complete(pool: SharedHostPool, hashes: list[bytes], parts: BlockParts = PARTS) -> int:
+    return pool.complete_blocks(namespace_groups(parts.namespace_digest, parts.layered, hashes), parts.count)
+
+
+def test_a_block_is_complete_once_every_part_is_committed(name):
+    pool = SharedHostPool(name, SLOT, 64)
+    hashes = block_hashes(3)
+    keys = [k for h in hashes for k in PARTS.keys(h)]
+    slots = pool.reserve(keys)
+    assert complete(pool, hashes) == 0  # reserved, not yet committed
+    pool.commit(slots[:-1])  # every part but the last block's last
+    assert complete(pool, hashes) == 2
+    pool.commit(slots[-1:])
+    assert complete(pool, hashes) == 3
+    pool.close()
+
+
+def test_lookup_stops_at_the_first_block_missing_a_part(name):
+    pool = SharedHostPool(name, SLOT, 64)
+    hashes = block_hashes(4)
+    put_keys(pool, [k for i, h in enumerate(hashes) for k in PARTS.keys(h) if i != 1 or "h1" not in k])
+    assert complete(pool, hashes) == 1  # block 1 lacks shard h1; blocks 2-3 are complete but follow it
+    assert complete(pool, hashes[2:]) == 2
+    pool.close()
+
+
+def test_evicting_any_part_makes_its_block_incomplete(name):
+    pool = SharedHostPool(name, SLOT, PARTS.count * 2)  # room for two blocks
+    hashes = block_hashes(3)
+    put_keys(pool, PARTS.keys(hashes[0]) + PARTS.keys(hashes[1]))
+    assert complete(pool, hashes[:2]) == 2
+    put_keys(pool, [PARTS.keys(hashes[2])[0]])  # evicts the least recently used part: block 0's first
+    assert pool.usage().evictions == 1
+    assert complete(pool, hashes[:2]) == 0
+    assert complete(pool, hashes[1:2]) == 1
+    pool.close()
+
+
+def test_records_are_apart_per_namespace_and_per_kind_of_value(name):
+    pool = SharedHostPool(name, SLOT, 64)
+    [h] = block_hashes(1)
+    whole = BlockParts(DIGEST, PARTS.shards, (None,))
+    other = BlockParts("fedcba9876543210", PARTS.shards, PARTS.tags)
+    put_keys(pool, PARTS.keys(h))
+    assert complete(pool, [h], PARTS) == 1
+    assert complete(pool, [h], whole) == 0  # layer values never count for whole-block values
+    assert complete(pool, [h], other) == 0
+    put_keys(pool, whole.keys(h))
+    assert (complete(pool, [h], whole), complete(pool, [h], PARTS)) == (1, 1)
+    pool.close()
+
+
+def test_keys_that_are_not_block_keys_have_no_record(name):
+    pool = SharedHostPool(name, SLOT, 4)
+    put_keys(pool, ["k1", "aio:not:a:hexhash", "aio:x:y"])
+    assert complete(pool, block_hashes(2)) == 0
+    put_keys(pool, ["k2", "k3"])  # evicts two of them without touching any record
+    assert pool.usage().evictions == 1
+    pool.close()
+
+
+def test_records_are_shared_by_every_process_attached(name):
+    first = SharedHostPool(name, SLOT, 64)
+    second = SharedHostPool(name, SLOT, 64)
+    hashes = block_hashes(2)
+    put_keys(first, PARTS.keys(hashes[0]))
+    put_keys(second, PARTS.keys(hashes[1]))
+    assert complete(first, hashes) == complete(second, hashes) == 2
+    second.close()
+    first.close()
+
+
+def test_many_blocks_colliding_in_the_record_table_are_each_found(name):
+    # A full table's worth of records, inserted and half evicted: linear probing and backward-shift deletion.
+    parts = BlockParts(DIGEST, ("pp0.dcp0.h0",), (None,))
+    pool = SharedHostPool(name, SLOT, 512)
+    hashes = block_hashes(768)
+    for start in range(0, 768, 256):  # the last batch evicts the first
+        put_keys(pool, [parts.keys(h)[0] for h in hashes[start : start + 256]])
+    assert complete(pool, hashes[256:], parts) == 512
+    assert all(complete(pool, [h], parts) == 0 for h in hashes[:256])
+    pool.close()
+
+
+def test_hashes_of_other_sizes_get_distinct_records(name):
+    pool = SharedHostPool(name, SLOT, 64)
+    short, long_ = [b"a", b"ab", b"abc"], [bytes(range(40)), bytes(range(1, 41))]
+    parts = BlockParts(DIGEST, ("pp0.dcp0.h0",), (None,))
+    put_keys(pool, [parts.keys(h)[0] for h in short + long_])
+    assert complete(pool, short + long_, parts) == 5
+    assert complete(pool, [b"abd", bytes(range(2, 42))], parts) == 0
+    pool.close()

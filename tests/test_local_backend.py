@@ -166,6 +166,20 @@ def test_evictions_count_every_evicted_key(name):
         backend.close()
 
 
+def test_presence_epoch_moves_with_every_eviction_and_only_then(name):
+    backend = open_backend(name, slots=2)
+    try:
+        put(backend, ["k0", "k1"])
+        epoch = backend.presence_epoch()
+        get(backend, ["k0"])
+        put(backend, ["k0"])
+        assert backend.presence_epoch() == epoch
+        put(backend, ["k2"])
+        assert backend.presence_epoch() == epoch + 1
+    finally:
+        backend.close()
+
+
 def test_batch_larger_than_empty_pool_stores_what_fits_and_reports_no_space(name):
     keys = [f"k{i}" for i in range(7)]
     backend = open_backend(name, slots=4)

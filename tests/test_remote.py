@@ -11,8 +11,11 @@ import threading
 import pytest
 
 from vllm_aio.backends.base import Memory, Status
-from vllm_aio.backends.remote import ABSENT, CallGate, MasterLink, Regions, diagnose, exists_over, split_address
+from vllm_aio.backends.remote import (
+    ABSENT, LOOKUP_BLOCKS, CallGate, MasterLink, Regions, count_by_probes, diagnose, exists_over, split_address,
+)
 from vllm_aio.backends.settings import ConfigError
+from vllm_aio.pool.keys import BlockParts, block_key
 
 
 class Probe:
@@ -123,3 +126,45 @@ def test_split_address_names_the_key():
     assert split_address("k", "[::1]:80") == ("::1", 80)
     with pytest.raises(ConfigError, match="^k: expected 'host:port'"):
         split_address("k", "host")
+
+
+# ---- count_by_probes -----------------------------------------------------------------
+
+PARTS = BlockParts("d" * 16, ("pp0.dcp0.h0", "pp0.dcp0.h1", "pp0.dcp0.h2"), (0, 1, 2, 3))
+
+
+class Exists:
+    """A store's exists call over a set of keys; records each call's keys."""
+
+    def __init__(self, present: set[str]) -> None:
+        self.present = present
+        self.calls: list[list[str]] = []
+
+    def __call__(self, keys: list[str]) -> list[bool]:
+        self.calls.append(keys)
+        return [k in self.present for k in keys]
+
+
+def test_probes_ask_one_key_per_block_the_last_layer_of_a_rotating_shard():
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    exists = Exists(set(PARTS.probe_keys(hashes)))
+    assert count_by_probes(exists, PARTS, hashes) == 4
+    (keys,) = exists.calls
+    assert keys == [block_key("d" * 16, f"pp0.dcp0.h{i % 3}", h, 3) for i, h in enumerate(hashes)]
+
+
+def test_probes_stop_at_the_first_block_whose_probe_is_missing():
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    probes = PARTS.probe_keys(hashes)
+    assert count_by_probes(Exists(set(probes) - {probes[2]}), PARTS, hashes) == 2
+
+
+def test_probes_go_in_bounded_calls_and_later_calls_are_skipped_after_a_miss():
+    hashes = [i.to_bytes(32, "little") for i in range(2 * LOOKUP_BLOCKS + 1)]
+    probes = PARTS.probe_keys(hashes)
+    exists = Exists(set(probes))
+    assert count_by_probes(exists, PARTS, hashes) == len(hashes)
+    assert [len(c) for c in exists.calls] == [LOOKUP_BLOCKS, LOOKUP_BLOCKS, 1]
+    exists = Exists(set(probes) - {probes[5]})
+    assert count_by_probes(exists, PARTS, hashes) == 5
+    assert len(exists.calls) == 1

@@ -3,6 +3,7 @@ request and scheduler-output objects (the end-to-end tests use the real ones).""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -50,11 +51,16 @@ class Req:
     block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.block_hashes = [f"{self.request_id}-{i}".encode() for i in range(self.num_tokens // BS)]
+        self.block_hashes = [block_hash(self.request_id, i) for i in range(self.num_tokens // BS)]
 
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.num_output_tokens
+
+
+def block_hash(req_id: str, index: int) -> bytes:
+    """A stand-in for vLLM's chained block hash: fixed size, like sha256."""
+    return hashlib.sha256(f"{req_id}-{index}".encode()).digest()
 
 
 def deployment(
@@ -165,7 +171,7 @@ def test_allocated_hit_becomes_a_load_of_exactly_the_pool_blocks():
     sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), n)
     meta = sched.build_connector_meta(step(new=[("a", [10, 11, 12, 13, 14, 15], 16)], scheduled={"a": 6}))
     (load,) = meta.loads
-    assert load.block_ids == [11, 12, 13]
+    assert list(load.block_ids) == [11, 12, 13]
     assert load.block_hashes == req.block_hashes[1:4]
     assert (meta.lookups.hit_tokens, meta.lookups.miss_tokens) == (12, 6)
     assert sched.build_connector_meta(step()).loads == []
@@ -217,9 +223,9 @@ def test_chunked_prefill_saves_each_block_once_as_it_fills():
     req = Req("a", 18)
     sched.update_state_after_alloc(req, blocks([7, 8, 9]), 0)
     m1 = sched.build_connector_meta(step(new=[("a", [7, 8, 9], 0)], scheduled={"a": 10}))
-    assert [s.block_ids for s in m1.saves] == [[7, 8]]
+    assert [list(s.block_ids) for s in m1.saves] == [[7, 8]]
     m2 = sched.build_connector_meta(step(cached=[("a", [10, 11], 10, False)], scheduled={"a": 8}))
-    assert [s.block_ids for s in m2.saves] == [[9, 10]]
+    assert [list(s.block_ids) for s in m2.saves] == [[9, 10]]
     assert m2.saves[0].block_hashes == req.block_hashes[2:4]
 
 
@@ -230,9 +236,9 @@ def test_decode_blocks_are_saved_only_with_save_decode_cache():
         sched.update_state_after_alloc(req, blocks([1, 2]), 0)
         sched.build_connector_meta(step(new=[("a", [1, 2], 0)], scheduled={"a": 8}))
         req.num_output_tokens = 4
-        req.block_hashes.append(b"a-2")
+        req.block_hashes.append(block_hash("a", 2))
         meta = sched.build_connector_meta(step(cached=[("a", [3], 11, False)], scheduled={"a": 1}))
-        assert [s.block_ids for s in meta.saves] == expected
+        assert [list(s.block_ids) for s in meta.saves] == expected
 
 
 def test_resumed_request_saves_into_its_new_blocks():
@@ -241,7 +247,7 @@ def test_resumed_request_saves_into_its_new_blocks():
     sched.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 0)
     sched.build_connector_meta(step(new=[("a", [1, 2, 3, 4], 0)], scheduled={"a": 8}))
     meta = sched.build_connector_meta(step(cached=[("a", [5, 6, 7, 8], 0, True)], scheduled={"a": 16}))
-    assert [s.block_ids for s in meta.saves] == [[5, 6, 7, 8]]
+    assert [list(s.block_ids) for s in meta.saves] == [[5, 6, 7, 8]]
 
 
 def test_role_without_save_plans_no_saves():
@@ -312,7 +318,7 @@ def test_blocks_loaded_from_the_pool_are_not_saved_again():
     n, _ = sched.get_num_new_matched_tokens(req, 4)  # block 0 from vLLM's own cache
     sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), n)
     meta = sched.build_connector_meta(step(new=[("a", [10, 11, 12, 13, 14, 15], 16)], scheduled={"a": 6}))
-    assert [s.block_ids for s in meta.saves] == [[10], [14]]
+    assert [list(s.block_ids) for s in meta.saves] == [[10], [14]]
 
 
 def test_readmitted_request_is_not_counted_as_a_second_miss():
@@ -356,3 +362,86 @@ def test_buffer_step_of_a_decode_loads_its_context_up_to_the_new_token():
 def test_without_the_buffer_no_buffer_step_is_sent():
     sched = AioScheduler(deployment(), DictBackend())
     assert sched.build_connector_meta(step()).buffer is None
+
+
+# ---- incremental lookups --------------------------------------------------------------
+
+
+class EpochBackend(DictBackend):
+    """A store with a presence epoch (as the embedded pool's eviction counter); records how many blocks each lookup asks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch = 0
+        self.asked: list[int] = []
+
+    def presence_epoch(self):
+        return self.epoch
+
+    def count_complete_blocks(self, parts, hashes):
+        self.asked.append(len(hashes))
+        return super().count_complete_blocks(parts, hashes)
+
+
+def test_a_waiting_request_is_asked_again_only_from_the_first_block_not_found():
+    backend, dep = EpochBackend(), deployment()
+    req = Req("a", 22)  # 5 full blocks
+    store(backend, dep, req, 3)
+    sched = AioScheduler(dep, backend)
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, False)
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, False)
+    store(backend, dep, req, 5)  # saved meanwhile by another request
+    assert sched.get_num_new_matched_tokens(req, 0) == (20, False)
+    assert sched.get_num_new_matched_tokens(req, 0) == (20, False)
+    assert backend.asked == [5, 2, 2, 0]
+
+
+def test_an_eviction_since_the_last_lookup_makes_the_next_one_start_over():
+    backend, dep = EpochBackend(), deployment()
+    req = Req("a", 22)
+    store(backend, dep, req, 5)
+    sched = AioScheduler(dep, backend)
+    assert sched.get_num_new_matched_tokens(req, 0) == (20, False)
+    backend.keys.remove(block_key(dep.namespace.digest(), "pp0.dcp0.h0", req.block_hashes[1]))
+    backend.epoch += 1
+    assert sched.get_num_new_matched_tokens(req, 0) == (4, False)
+    assert backend.asked == [5, 5]
+
+
+def test_a_store_without_an_epoch_is_asked_from_vllms_hit_every_time():
+    backend, dep = DictBackend(), deployment()
+    req = Req("a", 22)
+    store(backend, dep, req, 5)
+    sched = AioScheduler(dep, backend)
+    asked = []
+    count = backend.count_complete_blocks
+    backend.count_complete_blocks = lambda parts, hashes: asked.append(len(hashes)) or count(parts, hashes)
+    for _ in range(2):
+        assert sched.get_num_new_matched_tokens(req, 4) == (16, False)
+    assert asked == [4, 4]
+
+
+def test_what_lookups_found_is_forgotten_once_the_request_is_admitted_or_finished():
+    backend, dep = EpochBackend(), deployment()
+    a, b = Req("a", 22), Req("b", 22)
+    for req in (a, b):
+        store(backend, dep, req, 5)
+    sched = AioScheduler(dep, backend)
+    n, _ = sched.get_num_new_matched_tokens(a, 0)
+    sched.update_state_after_alloc(a, blocks([1, 2, 3, 4, 5, 6]), n)
+    sched.get_num_new_matched_tokens(b, 0)
+    sched.request_finished(b, [])
+    sched.get_num_new_matched_tokens(a, 0)  # preempted and waiting again
+    sched.get_num_new_matched_tokens(b, 0)  # a new request reusing the id
+    assert backend.asked == [5, 5, 5, 5]
+
+
+def test_a_lookup_from_beyond_what_was_found_asks_from_vllms_hit():
+    backend, dep = EpochBackend(), deployment()
+    req = Req("a", 22)
+    store(backend, dep, req, 2)
+    sched = AioScheduler(dep, backend)
+    assert sched.get_num_new_matched_tokens(req, 0) == (8, False)
+    store(backend, dep, req, 5)
+    assert sched.get_num_new_matched_tokens(req, 12) == (8, False)  # vLLM now holds 3 blocks itself
+    assert backend.asked == [5, 2]

@@ -64,8 +64,8 @@ def saved(worker: AioWorker, meta: AioConnectorMetadata) -> None:
 
 
 def transfer(block_ids, tag="x", first_index=0):
-    hashes = [f"{tag}{first_index + i}".encode() for i in range(len(block_ids))]
-    return BlockTransfer("r", list(block_ids), hashes, first_index)
+    hashes = [f"{tag}{first_index + i:04d}".encode() for i in range(len(block_ids))]  # one size, as vLLM's
+    return BlockTransfer.of("r", block_ids, hashes, first_index)
 
 
 def test_saved_blocks_load_back_into_other_block_ids_byte_for_byte(make_worker):
@@ -90,6 +90,9 @@ def test_missing_blocks_are_reported_as_load_errors_once(make_worker, caplog):
 
 
 class _RaisingBackend(LocalBackend):
+    def slots(self):  # values through batch_get/put, which fail here
+        return None
+
     def batch_get(self, keys, segments):
         raise ConnectionError("pool gone")
 
@@ -215,7 +218,7 @@ def test_async_load_with_missing_blocks_finishes_and_reports_them(make_worker):
 def test_value_with_a_foreign_header_is_refused(make_worker, caplog):
     loader, backend = make_worker()
     dep = deployment(AioConfig())
-    key = block_key(dep.namespace.digest(), Ownership(dep.topology()).shard_id, b"x0")
+    key = block_key(dep.namespace.digest(), Ownership(dep.topology()).shard_id, b"x0000")
     # Another writer's bytes under our key: same length, different header.
     forged = torch.zeros(VALUE_BYTES, dtype=torch.uint8)
     backend.batch_put([key], [[(forged.data_ptr(), VALUE_BYTES)]])
@@ -233,6 +236,9 @@ class _GatedBackend(LocalBackend):
         self.started = {(kind, layer): threading.Event() for kind in ("get", "put") for layer in range(len(LAYERS))}
         self.release_gets = threading.Event()
         self.release_gets.set()
+
+    def slots(self):  # values through batch_get/put, which this backend intercepts
+        return None
 
     def batch_get(self, keys, segments):
         self.started[("get", _layer(keys))].set()

@@ -25,6 +25,15 @@ another total stores nothing, a get of another total is ``CORRUPT`` and
 copies nothing. A backend never raises for a per-key condition (missing,
 pool full, short value); it raises only when it cannot serve at all (e.g.
 closed: ``RuntimeError``), which the caller turns into misses.
+
+The scheduler asks at block granularity (``count_complete_blocks``): how many
+leading blocks of a prompt have every part (shard x unit, ``pool/keys.py``
+``BlockParts``) stored. Its cost must not grow with layers x shards: a store
+that can, keeps per-block records (the embedded pool); a store that cannot
+probes one part per block (``remote.count_by_probes``), and a part missing
+despite the answer fails at load, where vLLM recomputes it
+(``get_block_ids_with_load_errors``). ``presence_epoch`` tells the scheduler
+how long an answer stays true.
 """
 
 from __future__ import annotations
@@ -34,7 +43,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from vllm_aio.pool.keys import BlockParts
+
 Segment = tuple[int, int]  # (address, size in bytes)
+
+# Keys per exists call of the default block lookup: bounded calls, and one
+# that stops soon after the first missing block.
+_LOOKUP_KEYS = 4096
 
 
 class Memory(enum.Enum):
@@ -73,6 +88,31 @@ class Backend(ABC):
     @abstractmethod
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is present now (it may be evicted right after)."""
+
+    def count_complete_blocks(self, parts: BlockParts, hashes: Sequence[bytes]) -> int:
+        """How many of the blocks, from the first, have every part stored (stops at the first that has not).
+
+        Exact here: every part's key, a bounded ``batch_exists`` at a time.
+        Backends override it with something cheaper; see the module docstring
+        for what a cheaper answer may promise.
+        """
+        per_call = max(1, _LOOKUP_KEYS // parts.count)
+        for start in range(0, len(hashes), per_call):
+            chunk = hashes[start : start + per_call]
+            present = self.batch_exists([key for h in chunk for key in parts.keys(h)])
+            for i in range(len(chunk)):
+                if not all(present[i * parts.count : (i + 1) * parts.count]):
+                    return start + i
+        return len(hashes)
+
+    def presence_epoch(self) -> int | None:
+        """A number that changes whenever a stored value may have gone (eviction, removal).
+
+        While it is unchanged, blocks found complete are still complete, so the
+        scheduler need not ask about them again. None: the store cannot tell,
+        and an answer holds only at the moment it was given.
+        """
+        return None
 
     @abstractmethod
     def batch_put(

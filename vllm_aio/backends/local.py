@@ -6,6 +6,11 @@ for the mechanism and its cost). Instances on one host share a pool by giving
 it the same ``local_pool_name``; otherwise its name is the instance's engine id
 and it is sealed (unlinked) once the last of its processes has attached.
 
+The scheduler's block lookups are exact and cost one probe per block, not per
+part: the pool keeps a record per block counting its stored parts
+(``SharedHostPool.complete_blocks``), and its eviction counter is the
+presence epoch.
+
 A batch's copies run together after one index operation (``reserve`` or
 ``pin_for_read``) and before the next (``commit`` or the version checks), in
 one ``host_copy.copy_many`` call: compiled loops, on every core for a large
@@ -19,7 +24,8 @@ from collections.abc import Sequence
 from vllm_aio.backends.base import Backend, Segment, Status, distinct_only
 from vllm_aio.backends.segments import FlatSegments
 from vllm_aio.host_copy import copy_many
-from vllm_aio.pool.host_pool import SharedHostPool, slots_for
+from vllm_aio.pool.host_pool import SharedHostPool, namespace_groups, slots_for
+from vllm_aio.pool.keys import BlockParts
 
 
 class LocalBackend(Backend):
@@ -43,6 +49,15 @@ class LocalBackend(Backend):
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
         return self.pool.contains(keys)
+
+    def count_complete_blocks(self, parts: BlockParts, hashes: Sequence[bytes]) -> int:
+        self._check_open()
+        groups = namespace_groups(parts.namespace_digest, parts.layered, hashes)
+        return self.pool.complete_blocks(groups, parts.count)
+
+    def presence_epoch(self) -> int:
+        self._check_open()
+        return self.pool.usage().evictions  # values leave this pool only by eviction
 
     def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
         self._check_open()

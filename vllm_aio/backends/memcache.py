@@ -35,7 +35,10 @@ from typing import Any
 
 from vllm_aio.backends.base import Backend, Memory, Segment, Status, check_memory, distinct_only
 from vllm_aio.backends.memcache_settings import ENV_CONFIG_PATH, MemcacheSettings, tcp_address
-from vllm_aio.backends.remote import ABSENT, CallGate, MasterLink, Regions, diagnose, exists_over, tcp_reachable
+from vllm_aio.backends.remote import (
+    ABSENT, CallGate, MasterLink, Regions, count_by_probes, diagnose, exists_over, tcp_reachable,
+)
+from vllm_aio.pool.keys import BlockParts
 
 __all__ = ["MemcacheBackend", "MemcacheSettings", "MemcacheUnavailableError"]
 
@@ -245,6 +248,10 @@ class MemcacheBackend(Backend):
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return exists_over(self._call, self._store.batch_is_exist, keys)
+
+    def count_complete_blocks(self, parts: BlockParts, hashes: Sequence[bytes]) -> int:
+        """One probe key per block (``remote.count_by_probes``), one round trip per 8,192 blocks."""
+        return count_by_probes(self.batch_exists, parts, hashes)
 
     def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
         return distinct_only(self._put_distinct, keys, segments, self._value_bytes, Status.ERROR)

@@ -46,8 +46,11 @@ from typing import Any
 
 from vllm_aio.backends.base import Backend, Memory, Segment, Status, check_memory, distinct_only
 from vllm_aio.backends.mooncake_settings import DEFAULT_TENANT_ID, MooncakeSettings
-from vllm_aio.backends.remote import ABSENT, CallGate, MasterLink, Regions, diagnose, exists_over, tcp_reachable
+from vllm_aio.backends.remote import (
+    ABSENT, CallGate, MasterLink, Regions, count_by_probes, diagnose, exists_over, tcp_reachable,
+)
 from vllm_aio.backends.segments import gather, scatter, total
+from vllm_aio.pool.keys import BlockParts
 
 __all__ = ["MooncakeBackend", "MooncakeSettings", "MooncakeUnavailableError"]  # settings: for the benchmarks
 
@@ -208,6 +211,10 @@ class MooncakeBackend(Backend):
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return exists_over(self._call, self._store.batch_is_exist, self._scoped(keys))
+
+    def count_complete_blocks(self, parts: BlockParts, hashes: Sequence[bytes]) -> int:
+        """One probe key per block (``remote.count_by_probes``), one round trip per 8,192 blocks."""
+        return count_by_probes(self.batch_exists, parts, hashes)
 
     def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
         return distinct_only(self._put_distinct, self._scoped(keys), segments, self._value_bytes, Status.ERROR)

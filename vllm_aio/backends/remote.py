@@ -7,6 +7,7 @@
   one (both clients crash on a call after their close).
 - ``Regions``: the memory registered with a client, and which of it is device memory.
 - ``exists_over``: ``batch_exists`` over a batched native call that answers 1 per present key.
+- ``count_by_probes``: the block lookup of a store without per-block records.
 - ``diagnose``: a get that failed in a way that may hide a length mismatch,
   settled by the size the store holds for the key.
 """
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 
 from vllm_aio.backends.base import Memory, Segment, Status
 from vllm_aio.backends.settings import ConfigError
+from vllm_aio.pool.keys import BlockParts
 
 # A backend's bounded runner: ``(n, native)`` runs ``native(indices)`` over
 # all ``n`` keys (in chunks, retried, ...) and returns one code per key.
@@ -178,6 +180,30 @@ def exists_over(call: BatchCall, exist: Callable[[list[str]], list[int]], keys: 
     keys = list(keys)
     codes = call(len(keys), lambda idx: exist([keys[i] for i in idx]))
     return [c == 1 for c in codes]
+
+
+# Blocks per exists call of a lookup: a 128k-token prompt of 16-token blocks
+# is one round trip; longer prompts take one more per 8,192 blocks.
+LOOKUP_BLOCKS = 8192
+
+
+def count_by_probes(
+    exists: Callable[[list[str]], list[bool]], parts: BlockParts, hashes: Sequence[bytes]
+) -> int:
+    """Leading blocks whose probe key (``BlockParts.probe_keys``) is stored.
+
+    A store keeps no record per block, and a marker value per block could not
+    know that the other ranks finished their parts. So one part stands for each
+    block: one key per block, whatever the layers and shards, in one bounded
+    call per ``LOOKUP_BLOCKS`` blocks, stopping at the first missing one. Any
+    other part missing fails at load and vLLM recomputes the block.
+    """
+    keys = parts.probe_keys(hashes)
+    for start in range(0, len(keys), LOOKUP_BLOCKS):
+        present = exists(keys[start : start + LOOKUP_BLOCKS])
+        if not all(present):
+            return start + present.index(False)
+    return len(keys)
 
 
 ABSENT = -1  # a stored size meaning "no such key"

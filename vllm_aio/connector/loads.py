@@ -141,8 +141,8 @@ class Loads:
         # at different blocks so they do not all hit the same values at once.
         batch = Batch([], [])
         for t in transfers:
-            for i in self._owner.read_order(range(len(t.block_ids))):
-                batch.blocks.append(BlockRef(t.block_ids[i], t.block_hashes[i]))
+            for i in self._owner.read_order(range(len(t))):
+                batch.blocks.append(BlockRef(t.block_ids[i], t.block_hash(i)))
                 batch.req_ids.append(t.req_id)
         return batch
 

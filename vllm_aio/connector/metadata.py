@@ -8,17 +8,44 @@ is an empty marker class).
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
 @dataclass
 class BlockTransfer:
-    """Blocks of one request to move between vLLM's KV cache and the pool."""
+    """Blocks of one request to move between vLLM's KV cache and the pool.
+
+    Compact on the wire, because each step's metadata is pickled to every
+    worker and a 128k-token prompt is 8,192 blocks: the block ids travel as
+    one int32 array and the hashes as one ``bytes`` (vLLM's block hashes all
+    have one size), not as a Python object per block. Build it with ``of``.
+    """
 
     req_id: str
-    block_ids: list[int]  # vLLM block ids (the request's only KV cache group)
-    block_hashes: list[bytes]  # vLLM's chained hash of each block, same order
+    block_ids: array  # of "i": vLLM block ids (the request's only KV cache group)
+    hashes: bytes  # vLLM's chained hash of each block, concatenated in the same order
     first_index: int  # position of block_ids[0] in the request: decides its owner rank
+
+    @classmethod
+    def of(cls, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes], first_index: int) -> BlockTransfer:
+        if len(block_ids) != len(block_hashes):
+            raise ValueError(f"{len(block_ids)} block ids but {len(block_hashes)} hashes")
+        if len({len(h) for h in block_hashes}) > 1:
+            raise ValueError("the block hashes of one transfer must all have one size")
+        return cls(req_id, array("i", block_ids), b"".join(block_hashes), first_index)
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def block_hash(self, i: int) -> bytes:
+        size = len(self.hashes) // len(self.block_ids)
+        return self.hashes[i * size : (i + 1) * size]
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return [self.block_hash(i) for i in range(len(self.block_ids))]
 
 
 @dataclass

@@ -62,8 +62,8 @@ class Saves:
         batch = Batch([], [])
         for t in transfers:
             first = t.first_index
-            for i in self._owner.owned_blocks(range(first, first + len(t.block_ids))):
-                batch.blocks.append(BlockRef(t.block_ids[i - first], t.block_hashes[i - first]))
+            for i in self._owner.owned_blocks(range(first, first + len(t))):
+                batch.blocks.append(BlockRef(t.block_ids[i - first], t.block_hash(i - first)))
                 batch.req_ids.append(t.req_id)
         return batch
 

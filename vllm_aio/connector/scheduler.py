@@ -1,14 +1,23 @@
 """The scheduler half: decides which blocks to load from and save to the pool.
 
-It runs in vLLM's engine-core process and never touches KV bytes. Per step it
-turns vLLM's scheduling decisions into an ``AioConnectorMetadata``: the blocks
-each request loads before its forward (pool hits beyond vLLM's own prefix
-cache) and the blocks that become full during the forward and get saved.
+It runs in vLLM's engine-core process, on its scheduling thread, and never
+touches KV bytes. Per step it turns vLLM's scheduling decisions into an
+``AioConnectorMetadata``: the blocks each request loads before its forward
+(pool hits beyond vLLM's own prefix cache) and the blocks that become full
+during the forward and get saved.
 
 Saved blocks are copied out of the cache inside the step that filled them
 (the worker's ``wait_for_save``), before vLLM can free or reuse a block; the
 pool puts go on from staging. So ``request_finished`` never has to hold blocks
 back: there is no pending state that could keep blocks alive forever.
+
+Lookups cost one probe per block, not per part (``Backend.count_complete_blocks``),
+and are incremental: vLLM asks again on every step while a request waits, so
+the blocks already found complete are remembered with the pool's presence
+epoch, and the next call resumes after them unless the epoch moved (a value
+may have gone). A store with no epoch is asked again from the first block each
+time: one bounded round trip, while a remembered answer could be seconds or
+minutes old and turn into a burst of failed loads.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from vllm_aio.backends import Backend
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, BufferStep, LookupCounts
 from vllm_aio.log import get_logger
-from vllm_aio.pool.keys import block_key
+from vllm_aio.pool.keys import BlockParts
 from vllm_aio.pool.ownership import Ownership
 
 if TYPE_CHECKING:
@@ -36,6 +45,15 @@ logger = get_logger(__name__)
 class _LoadPlan:
     local_tokens: int  # vLLM's own prefix-cache hit, block aligned
     hit_tokens: int  # tokens available once the pool blocks are loaded
+
+
+@dataclass
+class _Found:
+    """Blocks [start, end) of a waiting request found complete while the presence epoch was ``epoch``."""
+
+    start: int
+    end: int
+    epoch: int
 
 
 @dataclass
@@ -62,16 +80,18 @@ class AioScheduler:
     def __init__(self, deployment: Deployment, backend: Backend) -> None:
         self._dep = deployment
         self._backend = backend
-        digest = deployment.namespace.digest()
         # A block hits only when every distinct shard of the deployment (and,
         # layerwise, every layer of it) is stored.
-        self._key_parts = [
-            (digest, shard, unit.tag)
-            for shard in Ownership(deployment.topology()).all_shard_ids()
-            for unit in deployment.units()
-        ]
+        self._parts = BlockParts(
+            deployment.namespace.digest(),
+            tuple(Ownership(deployment.topology()).all_shard_ids()),
+            tuple(unit.tag for unit in deployment.units()),
+        )
         # req_id -> latest lookup answer; replaced on every call (idempotent).
         self._plans: dict[str, _LoadPlan] = {}
+        # req_id -> what lookups found for it, while it waits; dropped when it
+        # is admitted or finishes (update_state_after_alloc, request_finished).
+        self._found: dict[str, _Found] = {}
         # Loads decided by update_state_after_alloc, sent with the next metadata.
         self._pending_loads: list[BlockTransfer] = []
         self._trackers: dict[str, _Tracker] = {}
@@ -85,9 +105,7 @@ class AioScheduler:
         if not self._dep.load_enabled:
             return 0, False
         bs = self._dep.block_size
-        hashes = request.block_hashes
-        first = num_computed_tokens // bs
-        hit_blocks = first + self._count_leading_hits(hashes[first:])
+        hit_blocks = self._complete_blocks(request, num_computed_tokens // bs)
         hit_tokens = min(hit_blocks * bs, request.num_tokens - 1)  # the last token is always computed
         new_tokens = max(0, hit_tokens - num_computed_tokens)
         if new_tokens == 0:
@@ -96,25 +114,29 @@ class AioScheduler:
         self._plans[request.request_id] = _LoadPlan(num_computed_tokens, hit_tokens)
         return new_tokens, self._dep.load_async
 
-    def _count_leading_hits(self, hashes: list[bytes]) -> int:
-        if not hashes:
-            return 0
-        keys = [block_key(d, s, h, tag) for h in hashes for d, s, tag in self._key_parts]
+    def _complete_blocks(self, request: "Request", first: int) -> int:
+        """The end of the leading blocks from ``first`` on that the pool holds completely."""
+        req_id, hashes = request.request_id, request.block_hashes
         try:
-            present = self._backend.batch_exists(keys)
+            epoch = self._backend.presence_epoch()  # before the lookup: an eviction during it moves it
+            found = self._found.get(req_id)
+            resume = first
+            if found is not None and epoch is not None and found.epoch == epoch and found.start <= first:
+                resume = max(first, found.end)  # blocks [first, found.end) are still complete
+            end = resume + self._backend.count_complete_blocks(self._parts, hashes[resume:])
         except Exception as exc:  # the pool is down: serve everything by recompute
             logger.warning("vllm_aio: pool lookup failed, treating as a miss: %s", exc)
-            return 0
-        per_block = len(self._key_parts)
-        for i in range(len(hashes)):
-            if not all(present[i * per_block : (i + 1) * per_block]):
-                return i
-        return len(hashes)
+            self._found.pop(req_id, None)
+            return first
+        if epoch is not None:
+            self._found[req_id] = _Found(first, end, epoch)
+        return end
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
     ) -> None:
         req_id = request.request_id
+        self._found.pop(req_id, None)  # admitted: no more lookups until it waits again
         known = req_id in self._trackers  # re-admitted: preempted, or its async load finished
         tracker = self._trackers.setdefault(req_id, _Tracker(request))
         plan = self._plans.pop(req_id, None)
@@ -128,7 +150,7 @@ class AioScheduler:
         last = -(-(plan.local_tokens + num_external_tokens) // bs)
         block_ids = blocks.get_block_ids()[0]
         self._pending_loads.append(
-            BlockTransfer(req_id, list(block_ids[first:last]), list(request.block_hashes[first:last]), first)
+            BlockTransfer.of(req_id, block_ids[first:last], request.block_hashes[first:last], first)
         )
         tracker.loaded = (first, last)
         self._claims[req_id] = _Claim(list(block_ids[first:last]), first * bs, plan.local_tokens + num_external_tokens)
@@ -220,9 +242,7 @@ class AioScheduler:
         for lo, hi in ((start, min(full, skip_start)), (max(start, skip_end), full)):
             if lo < hi:
                 meta.saves.append(
-                    BlockTransfer(
-                        request.request_id, tracker.block_ids[lo:hi], list(request.block_hashes[lo:hi]), lo
-                    )
+                    BlockTransfer.of(request.request_id, tracker.block_ids[lo:hi], request.block_hashes[lo:hi], lo)
                 )
         tracker.num_saved_blocks = full
 
@@ -246,6 +266,7 @@ class AioScheduler:
         # Saves finished within the step that computed the blocks.
         self._trackers.pop(request.request_id, None)
         self._claims.pop(request.request_id, None)
+        self._found.pop(request.request_id, None)
         return False, None
 
     def close(self) -> None:

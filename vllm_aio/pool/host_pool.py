@@ -5,7 +5,7 @@ worker in a process of its own; all of them must see one pool (the scheduler
 asks "is it there?", the workers copy bytes in and out). The pool is therefore
 one file in ``/dev/shm`` that every process maps:
 
-    header | hash index (key -> slot) | per-slot metadata | slot data
+    header | hash index (key -> slot) | per-slot metadata | block records | slot data
 
 * No service and no port: the first process to attach creates the file. A
   private pool is unlinked as soon as its last process (vLLM's scheduler,
@@ -16,6 +16,12 @@ one file in ``/dev/shm`` that every process maps:
 * Every value has the same size (one rank's bytes of one KV block), so memory
   is an array of fixed slots: no fragmentation, O(1) allocation, and eviction
   is "least recently used READY slot".
+* Block records answer the scheduler's question, "how many leading blocks
+  have every part stored?", with one probe per block instead of one per part
+  (shards x layers): a second open-addressed table keyed by the block's group
+  (``pool/keys.py``) counts the group's READY values. ``commit`` adds one,
+  eviction takes one away, so a record is exact at every moment the lock is
+  free. Keys that are not block keys have no record.
 * Index and metadata change under one lock (``flock`` across processes plus a
   ``threading.Lock`` within one); copies run outside it. A reader never blocks
   a writer: it notes the slot's version, copies, and rechecks the version, so
@@ -24,12 +30,14 @@ one file in ``/dev/shm`` that every process maps:
 
 Measured cost (2-core x86 host, this repository's ``benchmarks/pool_bandwidth.py``):
 copies run at memcpy speed for 64 KiB pages and above; a batched index
-operation costs a few microseconds per key under the lock.
+operation costs a few microseconds per key under the lock. ``complete_blocks``
+is vectorised (``benchmarks/scale.py``).
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import mmap
 import os
@@ -41,10 +49,12 @@ from pathlib import Path
 
 import numpy as np
 
+from vllm_aio.pool.keys import block_of_key
+
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "vllm_aio."
 _LOCK_PREFIX = "vllm_aio_lock."
-_MAGIC = 0x41494F504F4F4C31  # "AIOPOOL1"
+_MAGIC = 0x41494F504F4F4C32  # "AIOPOOL2": block records added
 _MAX_PIDS = 256
 _PAGE = 4096
 
@@ -60,6 +70,75 @@ _H_FIELDS = 16
 def _key_id(key: str) -> tuple[int, int]:
     digest = hashlib.blake2b(key.encode(), digest_size=16).digest()
     return int.from_bytes(digest[:8], "little") >> 1, int.from_bytes(digest[8:], "little") >> 1
+
+
+_U64 = np.dtype("<u8")
+
+
+@dataclass(frozen=True)
+class BlockGroups:
+    """Record ids of blocks (``block_groups``): two int64 columns, ``hi`` never 0."""
+
+    hi: np.ndarray
+    lo: np.ndarray
+
+
+@functools.lru_cache(maxsize=64)  # a pool sees a handful of namespaces; reserve asks per key
+def _group_salt(namespace_digest: str, layered: bool) -> np.ndarray:
+    digest = hashlib.blake2b(f"{namespace_digest}:{int(layered)}".encode(), digest_size=16).digest()
+    return np.frombuffer(digest, dtype=_U64)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection that spreads any bits over all 64 (home buckets)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def block_groups(salts: np.ndarray, hashes: Sequence[bytes]) -> BlockGroups:
+    """The record ids of blocks: their hashes folded to 128 bits, xor their groups' salts, mixed.
+
+    No per-block hash call: vLLM's block hashes are already uniform 32-byte
+    digests, so ids come from their bytes in a few numpy operations (a 128k
+    token prompt's 8,192 blocks in well under a millisecond). ``salts`` is one
+    ``(2,)`` salt or one per block. Shorter hashes are padded with zeros.
+    """
+    if not hashes:
+        return BlockGroups(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    sizes = set(map(len, hashes))
+    width = max(16, -(-max(sizes) // 16) * 16)
+    raw = b"".join(hashes) if sizes == {width} else b"".join(h.ljust(width, b"\0") for h in hashes)
+    words = np.frombuffer(raw, dtype=_U64).reshape(len(hashes), width // 8)
+    folded = np.stack([np.bitwise_xor.reduce(words[:, 0::2], axis=1),
+                       np.bitwise_xor.reduce(words[:, 1::2], axis=1)], axis=1) ^ salts
+    hi = folded[:, 0] | np.uint64(1)
+    lo = _mix(folded[:, 1] ^ hi)
+    return BlockGroups(hi.view(np.int64), lo.view(np.int64))
+
+
+def namespace_groups(namespace_digest: str, layered: bool, hashes: Sequence[bytes]) -> BlockGroups:
+    """The record ids of one namespace's blocks (what the scheduler asks about)."""
+    return block_groups(_group_salt(namespace_digest, layered), hashes)
+
+
+def _groups_of_keys(keys: Sequence[str]) -> BlockGroups:
+    """Per key, the record id of its block; hi 0 for a key that is not a block key."""
+    hashes: list[bytes] = []
+    positions: dict[tuple[str, bool], list[int]] = {}  # (digest, layered) -> indices into hashes
+    where: list[int] = []  # the key of each hash
+    for i, key in enumerate(keys):
+        block = block_of_key(key)
+        if block is not None:
+            positions.setdefault(block[:2], []).append(len(hashes))
+            hashes.append(block[2])
+            where.append(i)
+    hi, lo = np.zeros(len(keys), dtype=np.int64), np.zeros(len(keys), dtype=np.int64)
+    at = np.asarray(where, dtype=np.int64)
+    for (digest, layered), idx in positions.items():  # one namespace per batch, in practice
+        ids = namespace_groups(digest, layered, [hashes[i] for i in idx])
+        hi[at[idx]], lo[at[idx]] = ids.hi, ids.lo
+    return BlockGroups(hi, lo)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -109,6 +188,12 @@ class _Layout:
             ("version", self.num_slots, np.int64),
             ("last_used", self.num_slots, np.int64),
             ("state", self.num_slots, np.int64),
+            ("slot_group_hi", self.num_slots, np.int64),  # 0: the slot's key has no block record
+            ("slot_group_lo", self.num_slots, np.int64),
+            # Block records, open-addressed like the index; parts 0: empty bucket.
+            ("group_hi", self.table_size, np.int64),
+            ("group_lo", self.table_size, np.int64),
+            ("group_parts", self.table_size, np.int64),
         ]
         out, pos = {}, 0
         for name, count, dtype in specs:
@@ -233,7 +318,16 @@ class SharedHostPool:
         self._version = view("version")
         self._last_used = view("last_used")
         self._state = view("state")
+        self._slot_group_hi = view("slot_group_hi")
+        self._slot_group_lo = view("slot_group_lo")
+        self._group_hi = view("group_hi")
+        self._group_lo = view("group_lo")
+        self._group_parts = view("group_parts")
         self._data = view("data")
+        self._parts_mv, self._hi_mv, self._lo_mv = (
+            (None, None, None) if offsets is None
+            else (memoryview(a).cast("B").cast("q") for a in (self._group_parts, self._group_hi, self._group_lo))
+        )
 
     def seal(self) -> None:
         """Unlink the pool's name now; attached processes keep their mappings.
@@ -325,6 +419,45 @@ class SharedHostPool:
             probe = (probe + 1) & mask
         table[hole] = _EMPTY
 
+    # ---- block records ---------------------------------------------------
+    # Record updates go one block at a time through memoryviews of the same
+    # arrays: a memoryview item costs about half a numpy scalar access, and
+    # commit pays these on every put.
+    def _find_group(self, hi: int, lo: int) -> int:
+        """The bucket holding the record, or the empty bucket where it would go."""
+        mask = self.layout.table_size - 1
+        bucket = lo & mask
+        parts, group_hi, group_lo = self._parts_mv, self._hi_mv, self._lo_mv
+        while parts[bucket] and not (group_lo[bucket] == lo and group_hi[bucket] == hi):
+            bucket = (bucket + 1) & mask
+        return bucket
+
+    def _count_parts(self, slots: list[int], delta: int) -> None:
+        """A READY value appeared (+1) or went (-1) in each slot: count it in its block's record."""
+        parts, group_hi, group_lo = self._parts_mv, self._hi_mv, self._lo_mv
+        for hi, lo in zip(self._slot_group_hi[slots].tolist(), self._slot_group_lo[slots].tolist()):
+            if not hi:  # not a block key
+                continue
+            bucket = self._find_group(hi, lo)
+            if not parts[bucket]:  # the block's first part
+                group_hi[bucket], group_lo[bucket] = hi, lo
+            parts[bucket] += delta
+            if not parts[bucket]:
+                self._drop_group(bucket)
+
+    def _drop_group(self, bucket: int) -> None:
+        """Delete a record with backward shift (as ``_unindex``)."""
+        mask = self.layout.table_size - 1
+        parts, group_hi, group_lo = self._parts_mv, self._hi_mv, self._lo_mv
+        hole, probe = bucket, (bucket + 1) & mask
+        while parts[probe]:
+            home = group_lo[probe] & mask
+            if (probe - home) & mask >= (probe - hole) & mask:
+                parts[hole], group_hi[hole], group_lo[hole] = parts[probe], group_hi[probe], group_lo[probe]
+                hole = probe
+            probe = (probe + 1) & mask
+        parts[hole] = 0
+
     def _tick(self) -> int:
         self._header[_H_CLOCK] += 1
         return int(self._header[_H_CLOCK])
@@ -359,6 +492,7 @@ class SharedHostPool:
             bucket, found = self._find(int(self._key_hi[slot]), int(self._key_lo[slot]))
             assert found == slot
             self._unindex(bucket)
+        self._count_parts(victims.tolist(), -1)
         self._header[_H_EVICTIONS] += count
         self._header[_H_NUM_READY] -= count
         return victims.tolist()
@@ -391,6 +525,7 @@ class SharedHostPool:
         is hashed once per put.
         """
         ids = [_key_id(k) for k in keys]
+        groups = _groups_of_keys(keys)
         result: list[int | None] = []
         with self._locked():
             missing = []
@@ -402,9 +537,12 @@ class SharedHostPool:
                 else:
                     missing.append(i)
                     result.append(-1)
-            for i, slot in zip(missing, self._allocate(len(missing))):
+            slots = self._allocate(len(missing))
+            for i, slot in zip(missing, slots):
                 self._key_hi[slot], self._key_lo[slot] = ids[i]
                 result[i] = slot
+            filled = missing[: len(slots)]
+            self._slot_group_hi[slots], self._slot_group_lo[slots] = groups.hi[filled], groups.lo[filled]
         return result
 
     def commit(self, slots: Sequence[int]) -> list[bool]:
@@ -433,6 +571,7 @@ class SharedHostPool:
             # the dearest numpy scalar operation.
             self._header[_H_CLOCK] = clock
             self._header[_H_NUM_READY] += sum(out)
+            self._count_parts([slot for slot, stored in zip(slots, out) if stored], +1)
         return out
 
     def abandon(self, slots: Sequence[int]) -> None:
@@ -453,6 +592,29 @@ class SharedHostPool:
                 self._last_used[slot] = self._tick()
                 out.append((slot, int(self._version[slot])))
         return out
+
+    def complete_blocks(self, groups: BlockGroups, parts: int) -> int:
+        """How many leading blocks have at least ``parts`` READY values (every part of them).
+
+        One probe per block, all blocks at once with numpy: vectorised linear
+        probing, one round per probe distance (a table at most half full keeps
+        the rounds few). The answer holds while no eviction happens; the
+        eviction counter (``usage().evictions``) says when that changed.
+        """
+        hi, lo = groups.hi, groups.lo
+        mask = self.layout.table_size - 1
+        found = np.zeros(len(lo), dtype=np.int64)
+        pending = np.arange(len(lo))
+        buckets = lo & mask
+        with self._locked():
+            while len(pending):
+                held = self._group_parts[buckets]
+                match = (held > 0) & (self._group_lo[buckets] == lo[pending]) & (self._group_hi[buckets] == hi[pending])
+                found[pending[match]] = held[match]
+                going = ~match & (held > 0)  # occupied by another block: probe on
+                pending, buckets = pending[going], (buckets[going] + 1) & mask
+        complete = found >= parts
+        return len(lo) if complete.all() else int(np.argmin(complete))
 
     def still_valid(self, slot: int, version: int) -> bool:
         """Whether a slot read since ``pin_for_read`` was not reused meanwhile."""

@@ -12,12 +12,18 @@ A key is ``aio:{namespace}:{shard}:{block hash}[:L{layer}]``:
   identifies the whole prefix up to and including that block.
 * with layerwise transfer (``use_layerwise``) each layer of a block is a value
   of its own, keyed ``...:{block hash}:L{layer}``.
+
+A block is thus stored as several *parts*, one value per shard and unit
+(``BlockParts``); it may be loaded instead of recomputed only when every part
+is stored. The parts of one block share its *group*: the namespace, the block
+hash and whether values hold one layer (``block_of_key``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 
@@ -53,3 +59,46 @@ def block_key(namespace_digest: str, shard: str, block_hash: bytes, layer: int |
     """The key of a block of every layer, or of one layer (layerwise transfer)."""
     key = f"aio:{namespace_digest}:{shard}:{block_hash.hex()}"
     return key if layer is None else f"{key}:L{layer}"
+
+
+def block_of_key(key: str) -> tuple[str, bool, bytes] | None:
+    """(namespace digest, one layer per value, block hash) of a block key; None for any other key."""
+    fields = key.split(":")
+    if fields[0] != "aio" or len(fields) not in (4, 5):
+        return None
+    try:
+        block_hash = bytes.fromhex(fields[3])
+    except ValueError:
+        return None
+    return fields[1], len(fields) == 5, block_hash
+
+
+@dataclass(frozen=True)
+class BlockParts:
+    """What each block of a deployment is stored as: one value per shard and unit."""
+
+    namespace_digest: str
+    shards: tuple[str, ...]  # every distinct shard of the deployment (``Ownership.all_shard_ids``)
+    tags: tuple[int | None, ...]  # the units' tags, in layer order: (None,) for whole blocks
+
+    @property
+    def count(self) -> int:
+        return len(self.shards) * len(self.tags)
+
+    @property
+    def layered(self) -> bool:
+        return self.tags[0] is not None
+
+    def keys(self, block_hash: bytes) -> list[str]:
+        return [block_key(self.namespace_digest, s, block_hash, t) for s in self.shards for t in self.tags]
+
+    def probe_keys(self, hashes: Sequence[bytes]) -> list[str]:
+        """One part standing for each block, for stores that cannot answer per block.
+
+        The last unit, because layerwise saves store layers in order (its
+        presence says the earlier layers of that rank were put before it), and
+        the shard rotating with the block's position, so a rank whose saves
+        fail is caught within a few blocks instead of never.
+        """
+        digest, shards, tag = self.namespace_digest, self.shards, self.tags[-1]
+        return [block_key(digest, shards[i % len(shards)], h, tag) for i, h in enumerate(hashes)]
