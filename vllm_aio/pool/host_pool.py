@@ -72,6 +72,13 @@ def _key_id(key: str) -> tuple[int, int]:
     return int.from_bytes(digest[:8], "little") >> 1, int.from_bytes(digest[8:], "little") >> 1
 
 
+def _key_ids(keys: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``_key_id`` of every key, as two int64 arrays (hi, lo): one hash call per key, the rest numpy."""
+    raw = b"".join([hashlib.blake2b(k.encode(), digest_size=16).digest() for k in keys])
+    words = (np.frombuffer(raw, dtype=_U64).reshape(-1, 2) >> np.uint64(1)).astype(np.int64)
+    return words[:, 0], words[:, 1]
+
+
 _U64 = np.dtype("<u8")
 
 
@@ -580,18 +587,40 @@ class SharedHostPool:
                 self._state[slot] = FREE
 
     def pin_for_read(self, keys: Sequence[str]) -> list[tuple[int, int] | None]:
-        """Per key: (slot, version) to copy from and recheck, or None if absent."""
-        ids = [_key_id(k) for k in keys]
-        out: list[tuple[int, int] | None] = []
+        """Per key: (slot, version) to copy from and recheck, or None if absent.
+
+        Vectorised (``_find_many``): a layerwise load pins every block of a
+        step once per layer, and a per-key probe in Python cost the H200
+        host ~4 us a key, more than copying a 64 KiB value takes.
+        """
+        if not keys:
+            return []
+        hi, lo = _key_ids(keys)
         with self._locked():
-            for hi, lo in ids:
-                _, slot = self._find(hi, lo)
-                if slot < 0:
-                    out.append(None)
-                    continue
-                self._last_used[slot] = self._tick()
-                out.append((slot, int(self._version[slot])))
-        return out
+            slots = self._find_many(hi, lo)
+            hits = slots[slots >= 0]
+            clock = int(self._header[_H_CLOCK])
+            self._last_used[hits] = clock + 1 + np.arange(len(hits))  # one tick per hit, in order
+            self._header[_H_CLOCK] = clock + len(hits)
+            versions = self._version[hits].tolist()
+        found = iter(zip(hits.tolist(), versions))
+        return [next(found) if slot >= 0 else None for slot in slots.tolist()]
+
+    def _find_many(self, hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
+        """``_find``'s slot for every key at once (-1: absent): one numpy round per probe distance."""
+        mask = self.layout.table_size - 1
+        table, key_hi, key_lo = self._table, self._key_hi, self._key_lo
+        slots = np.full(len(lo), _EMPTY, dtype=np.int64)
+        pending, buckets = np.arange(len(lo)), lo & mask
+        while len(pending):
+            held = table[buckets]
+            occupied = held != _EMPTY
+            at = np.where(occupied, held, 0)
+            match = occupied & (key_lo[at] == lo[pending]) & (key_hi[at] == hi[pending])
+            slots[pending[match]] = held[match]
+            going = occupied & ~match  # another key's bucket: probe on
+            pending, buckets = pending[going], (buckets[going] + 1) & mask
+        return slots
 
     def complete_blocks(self, groups: BlockGroups, parts: int) -> int:
         """How many leading blocks have at least ``parts`` READY values (every part of them).
