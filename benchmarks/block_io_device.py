@@ -165,6 +165,7 @@ class Bench:
         perm = torch.randperm(self.num_blocks, generator=self.gen)
         src_ids, dst_ids = perm[:n].tolist(), perm[n:2 * n].tolist()
         tag = uuid.uuid4().hex[:8]
+        mapped = None
         backend = LocalBackend(f"bench-bio-{tag}", slots * value, value, seal=True)
         try:
             direct = open_block_io(self.caches, self.names, self.num_blocks, backend, header(self.m.block_size),
@@ -219,23 +220,17 @@ class Bench:
                 "pool_put": lambda: wall(acc, do_put),
             }
             if direct.direct:
-                slots = torch.tensor([p[0] for p in pool.pin_for_read(load_keys)], dtype=torch.int64, device=dev)
-                mapped = device.map_host(*pool.region())
-                rows = mapped.tensor.view(torch.int64).view(-1, value // 8)
-                words = dev_rows.view(torch.int64)
                 reads["direct_load"] = lambda: wall(acc, lambda: expect(load_and_wait(direct, into, unit), Status.OK,
                                                                         "direct BlockIO.load"))
                 writes["direct_save"] = lambda: wall(acc, lambda: do_save(direct))
+            mapped = device.map_host(*pool.region()) if direct.direct and acc.is_async else None
+            if mapped is not None:  # the direct path's kernels alone
+                slots = torch.tensor([p[0] for p in pool.pin_for_read(load_keys)], dtype=torch.int64, device=dev)
+                rows = mapped.tensor.view(torch.int64).view(-1, value // 8)
+                words = dev_rows.view(torch.int64)
                 reads["slot_gather"] = lambda: events(lambda: torch.index_select(rows, 0, slots, out=words))
                 writes["slot_scatter"] = lambda: events(
                     lambda: rows[:, HEADER_BYTES // 8:].index_copy_(0, slots, words[:, HEADER_BYTES // 8:]))
-            if acc.is_async:
-                reads["h2d"] = lambda: events(lambda: dev_rows.copy_(a.view(n, value), non_blocking=True))
-                writes["d2h"] = lambda: events(lambda: a.view(n, value).copy_(dev_rows, non_blocking=True))
-                reads["scatter"] = lambda: events(
-                    lambda: self.layout.scatter(dev_rows[:, HEADER_BYTES:], ids_dev, unit.layers))
-                writes["gather"] = lambda: events(
-                    lambda: self.layout.gather(ids_src_dev, unit.layers, dev_rows[:, HEADER_BYTES:]))
             samples: dict[str, list[float]] = {k: [] for k in (*reads, *writes)}
             evictions0 = None
             for rep in range(reps):
@@ -254,7 +249,7 @@ class Bench:
             row["evictions_timed"] = pool.usage().evictions - (evictions0 or 0)
             row["pool_full"] = full
         finally:
-            if direct.direct:
+            if mapped is not None:
                 mapped.release()
             direct.close()
             backend.close()
@@ -270,6 +265,9 @@ class Bench:
             row.update({
                 "direct_load_GBps": gbps(n * payload, med["direct_load"]),
                 "direct_save_GBps": gbps(n * payload, med["direct_save"]),
+            })
+        if "slot_gather" in med:
+            row.update({
                 "slot_gather_GBps": gbps(batch, med["slot_gather"]), "slot_scatter_GBps": gbps(batch, med["slot_scatter"]),
                 "direct_load_stage_sum_s": med["slot_gather"] + med["scatter"],
                 "direct_save_stage_sum_s": med["gather"] + med["slot_scatter"],
