@@ -300,7 +300,7 @@ class AioPath:
                              header(self.prefix.m.block_size), staging_bytes, timeout)
 
     def _load(self, unit: Unit) -> Loaded:
-        return self.io.load(self.refs, unit)
+        return self.io.load(self.prepared, unit)
 
     def _result(self, future) -> None:
         """The worker's wait_for_layer_load: the compute stream waits for the layer's copies."""
@@ -316,6 +316,7 @@ class AioPath:
         self.wait_ms, self.backend.ms = 0.0, []
 
         def enqueue(start) -> None:
+            self.prepared = self.io.prepare(self.refs)  # once per step, as the worker's layerwise loads
             if mode != "vllm_aio layerwise":  # load / bulk: every layer's load, then (bulk) the forward
                 for future in [self.recv.submit(self._load, unit) for unit in self.units]:
                     self._result(future)

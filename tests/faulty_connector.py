@@ -92,32 +92,27 @@ class _FaultySlots:
             raise ConnectionError("injected: pool unreachable")
         return getattr(self.inner, name)
 
-    def pin_for_read(self, keys):
+    def pin_blocks(self, namespace_digest, shard, tag, hashes):
         if self.fault == "pool_down":
             raise ConnectionError("injected: pool unreachable")
-        pins = self.inner.pin_for_read(keys)
-        if len(keys) > 2 and pins[2] is not None:
+        slots, versions = self.inner.pin_blocks(namespace_digest, shard, tag, hashes)
+        if len(hashes) > 2 and slots[2] >= 0:
             if self.fault == "silent_garbage":  # the payload only: the header still matches
-                address = self.inner.region()[0] + pins[2][0] * self.inner.slot_size
+                address = self.inner.region()[0] + int(slots[2]) * self.inner.slot_size
                 _scribble([(address + HEADER_BYTES, self.inner.slot_size - HEADER_BYTES)])
             elif self.fault == "lost_and_torn":
-                pins[2] = None
-        if len(keys) > 4 and pins[4] is not None and self.fault == "lost_and_torn":
-            self._torn.add(pins[4][0])
-        return pins
+                slots[2] = -1
+        if len(hashes) > 4 and slots[4] >= 0 and self.fault == "lost_and_torn":
+            self._torn.add(int(slots[4]))
+        return slots, versions
 
-    def still_valid(self, slot, version):
-        if slot in self._torn:  # rewritten while it was copied
-            self._torn.discard(slot)
-            return False
-        return self.inner.still_valid(slot, version)
-
-
-def _evict_one(pool) -> None:
-    """Reserve every free slot and one more, so the pool evicts its least recently used value; then free them."""
-    usage = pool.usage()
-    slots = pool.reserve([f"evict-{uuid.uuid4().hex}" for _ in range(usage.num_slots - usage.num_ready + 1)])
-    pool.abandon([s for s in slots if s is not None and s >= 0])
+    def unchanged(self, slots, versions):
+        valid = self.inner.unchanged(slots, versions)
+        for i, slot in enumerate(slots.tolist()):
+            if slot in self._torn:  # rewritten while it was copied
+                self._torn.discard(slot)
+                valid[i] = False
+        return valid
 
 
 def _scribble(segments) -> None:

@@ -196,13 +196,13 @@ def test_commit_publishes_each_slot_under_the_key_reserve_recorded(name):
 def test_a_put_hashes_each_key_once(name, monkeypatch):
     pool = SharedHostPool(name, SLOT, 8)
     hashed: list[str] = []
-    real_key_id = host_pool._key_id
+    real_key_ids = host_pool._key_ids
 
-    def counting_key_id(key: str) -> tuple[int, int]:
-        hashed.append(key)
-        return real_key_id(key)
+    def counting_key_ids(keys):
+        hashed.extend(keys)
+        return real_key_ids(keys)
 
-    monkeypatch.setattr(host_pool, "_key_id", counting_key_id)
+    monkeypatch.setattr(host_pool, "_key_ids", counting_key_ids)
     try:
         keys = [f"k{i}" for i in range(5)]
         assert pool.commit(pool.reserve(keys)) == [True] * 5
@@ -604,3 +604,25 @@ def test_hashes_of_other_sizes_get_distinct_records(name):
     assert complete(pool, short + long_, parts) == 5
     assert complete(pool, [b"abd", bytes(range(2, 42))], parts) == 0
     pool.close()
+
+
+def test_a_block_key_is_found_from_its_hash_alone(name):
+    from vllm_aio.pool.keys import block_key
+
+    pool = SharedHostPool(name, SLOT, 8)
+    try:
+        hashes = [hashlib.sha256(bytes([i])).digest() for i in range(4)]  # as vLLM's block hashes
+        keys = [block_key("0123456789abcdef", "pp0.dcp0.h0", h, 3) for h in hashes]
+        pool.commit(pool.reserve(keys[:2] + ["not-a-block-key"]))
+        slots, versions = pool.pin_blocks("0123456789abcdef", "pp0.dcp0.h0", 3, hashes)
+        pinned = pool.pin_for_read(keys)
+        assert [None if s < 0 else (s, v) for s, v in zip(slots.tolist(), versions.tolist())] == pinned
+        assert slots[2] == slots[3] == -1 and pinned[0] is not None
+        # Another layer, shard or namespace names other values.
+        assert (pool.pin_blocks("0123456789abcdef", "pp0.dcp0.h0", 4, hashes)[0] == -1).all()
+        assert (pool.pin_blocks("0123456789abcdef", "pp0.dcp0.h1", 3, hashes)[0] == -1).all()
+        assert pool.unchanged(slots[:2], versions[:2]).all()
+        pool.commit(pool.reserve([f"evict{i}" for i in range(8)]))  # evicts and rewrites every slot
+        assert not pool.unchanged(slots[:2], versions[:2]).any()
+    finally:
+        pool.close()

@@ -35,10 +35,14 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_aio.log import get_logger
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = get_logger(__name__)
 
@@ -121,7 +125,7 @@ class Device:
             return _map_cuda(address, nbytes, self.torch_device)
         return None
 
-    def indices(self, values: list[int]) -> torch.Tensor:
+    def indices(self, values: "list[int] | np.ndarray") -> torch.Tensor:
         """``values`` as an int64 tensor on the device, copied without blocking the host.
 
         From page-locked memory: a copy from pageable memory waits for the
@@ -130,7 +134,7 @@ class Device:
         it as several ms per batch). torch's host allocator keeps the
         page-locked source until the copy has run.
         """
-        host = torch.tensor(values, dtype=torch.int64)
+        host = torch.as_tensor(values, dtype=torch.int64)
         return host if self.is_host else host.pin_memory().to(self.torch_device, non_blocking=True)
 
     def empty(self, nbytes: int) -> torch.Tensor:

@@ -181,6 +181,13 @@ class SlotStore(Protocol):
     def still_valid(self, slot: int, version: int) -> bool:
         """Whether the slot still holds the value pinned at that version."""
 
+    def pin_blocks(self, namespace_digest: str, shard: str, tag: int | None, hashes: Sequence[bytes]):
+        """``pin_for_read`` of the block keys of ``hashes`` (``pool/keys.block_key``), found from
+        the hashes alone: two integer arrays (slots, versions), slot -1 where absent."""
+
+    def unchanged(self, slots, versions):
+        """``still_valid`` of many pins at once: a boolean array."""
+
     def reserve(self, keys: Sequence[str]) -> list[int | None]:
         """Per key: a slot to fill, None if already stored, -1 if there is no room."""
 

@@ -170,7 +170,11 @@ class BlockIO:
         return [block_key(digest, shard, b.block_hash, unit.tag) for b in blocks]
 
     def _headers(self, blocks: Sequence[BlockRef], unit: Unit) -> list[bytes]:
-        # Only the block hash differs between the headers of one unit: pack the rest once.
+        fixed = self._fixed(unit)
+        return [fixed + b.block_hash[:HASH_PREFIX_BYTES].ljust(HASH_PREFIX_BYTES, b"\0") for b in blocks]
+
+    def _fixed(self, unit: Unit) -> bytes:
+        """The header of ``unit``'s values up to the block hash: the same for every block, packed once."""
         fixed = self._fixed_header.get(unit.tag)
         if fixed is None:
             header = EntryHeader(
@@ -181,17 +185,21 @@ class BlockIO:
                 self._layout.payload_bytes(unit.layers),
             )
             fixed = self._fixed_header[unit.tag] = header.pack(bytes(HASH_PREFIX_BYTES))[:-HASH_PREFIX_BYTES]
-        return [fixed + b.block_hash[:HASH_PREFIX_BYTES].ljust(HASH_PREFIX_BYTES, b"\0") for b in blocks]
+        return fixed
 
     # ---- loads -------------------------------------------------------------
-    def load(self, blocks: Sequence[BlockRef], unit: Unit) -> Loaded:
+    def prepare(self, blocks: Sequence[BlockRef]) -> DistinctBlocks:
+        """A batch loaded unit after unit (layerwise): prepared once, handed to every ``load``."""
+        return DistinctBlocks(blocks)
+
+    def load(self, blocks: Sequence[BlockRef] | DistinctBlocks, unit: Unit) -> Loaded:
         """Pool -> KV cache: a status per block and the copies' event (``Loaded``).
 
         Blocks of one batch may share a key (requests with a common prefix
         loaded in one step, each into blocks of its own): each key is read
         from the pool once and its value copied to every block naming it.
         """
-        batch = _Distinct(blocks)
+        batch = blocks if isinstance(blocks, DistinctBlocks) else DistinctBlocks(blocks)
         if self._direct is not None:
             return self._load_direct(batch, unit)
         statuses: list[Status] = []
@@ -214,15 +222,18 @@ class BlockIO:
                 self._loads.release(piece, after=None if self.device.is_host else event)
         return Loaded(batch.spread(statuses), event)
 
-    def _load_direct(self, batch: "_Distinct", unit: Unit) -> Loaded:
+    def _load_direct(self, batch: "DistinctBlocks", unit: Unit) -> Loaded:
         statuses: list[Status] = []
         copies: list[tuple[int, SlotLoad]] = []  # (chunk start, its copy)
         with self.device.on(self._stream):
             for start, end in _chunks(len(batch.firsts), self.value_bytes(unit), _DIRECT_CHUNKS):
-                chunk = batch.firsts[start:end]
+                plan = batch.plans.get((start, end))
+                if plan is None:
+                    plan = batch.plans[(start, end)] = self._direct.plan(
+                        [b.block_hash for b in batch.firsts[start:end]], batch.targets[start:end]
+                    )
                 got, copy = self._direct.load(
-                    self.keys(chunk, unit), self._headers(chunk, unit), batch.targets[start:end], unit.layers,
-                    _check_headers,
+                    plan, self._header.namespace_digest, self._header.shard, unit, self._fixed(unit)
                 )
                 statuses += got
                 copies.append((start, copy))
@@ -291,7 +302,7 @@ class BlockIO:
         ``EXISTS`` once it is stored (concurrent puts of one key can leave
         Mooncake with a key and no value).
         """
-        batch = _Distinct(blocks)
+        batch = DistinctBlocks(blocks)
         save = self._save_direct if self._direct is not None else self._save_distinct
         statuses = save(batch.firsts, unit, computed, handoff)
         return batch.spread(statuses, repeat=lambda s: Status.EXISTS if s.stored else s)
@@ -455,15 +466,17 @@ class _Copied:
     in_staging: torch.Event | None  # after this the staging rows hold the values
 
 
-class _Distinct:
-    """A batch's blocks reduced to one per block hash, i.e. per pool key.
+class DistinctBlocks:
+    """A batch's blocks reduced to one per block hash, i.e. per pool key (``BlockIO.prepare``).
 
     ``firsts``: the first block of each distinct hash, in batch order;
     ``targets``: per distinct hash, the block ids of every block naming it
-    (its first block's id first).
+    (its first block's id first). ``plans`` keeps what the direct path
+    derives from them once per batch, for every layer that loads it.
     """
 
     def __init__(self, blocks: Sequence[BlockRef]) -> None:
+        self.plans: dict[tuple[int, int], object] = {}
         index: dict[bytes, int] = {}
         self.firsts: list[BlockRef] = []
         self.targets: list[list[int]] = []
@@ -478,6 +491,8 @@ class _Distinct:
 
     def spread(self, statuses: list[Status], repeat: Callable[[Status], Status] = lambda s: s) -> list[Status]:
         """Per block, the status of its hash; ``repeat`` maps it for blocks after the first."""
+        if len(self.firsts) == len(self._which):  # no hash twice: the statuses as they are
+            return list(statuses)
         seen: set[int] = set()
         out = []
         for j in self._which:

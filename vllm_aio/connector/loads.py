@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_aio.backends import Status
-from vllm_aio.connector.block_io import Batch, BlockIO, BlockRef, Loaded
+from vllm_aio.connector.block_io import Batch, BlockIO, BlockRef, DistinctBlocks, Loaded
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer
 from vllm_aio.connector.transfer import TransferThread
 from vllm_aio.log import get_logger
@@ -146,8 +146,9 @@ class Loads:
                 batch.req_ids.append(t.req_id)
         return batch
 
-    def _submit(self, batch: Batch, unit: Unit) -> _Load:
-        return _Load(batch, unit, self._recv.submit(self._io.load, batch.blocks, unit), time.perf_counter())
+    def _submit(self, batch: Batch, unit: Unit, prepared: DistinctBlocks | None = None) -> _Load:
+        blocks = batch.blocks if prepared is None else prepared
+        return _Load(batch, unit, self._recv.submit(self._io.load, blocks, unit), time.perf_counter())
 
     def _load_now(self, meta: AioConnectorMetadata) -> None:
         if not meta.loads:
@@ -243,8 +244,9 @@ class Layerwise(Loads):
 
     def _retrieve_layers(self, batch: Batch) -> Iterator[_Load]:
         """Queues one layer's load each time it is advanced."""
+        prepared = self._io.prepare(batch.blocks)  # once: every layer loads the same blocks
         for unit in self._units:
-            yield self._submit(batch, unit)
+            yield self._submit(batch, unit, prepared)
 
     def _advance(self) -> bool:
         load = next(self._retrieve, None) if self._retrieve else None

@@ -28,7 +28,7 @@ else owns.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ctypes
@@ -40,23 +40,43 @@ from vllm_aio.backends import SlotStore, Status
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.device import Device, MappedHost
 from vllm_aio.host_copy import copy_rows
-from vllm_aio.pool.entry import HEADER_BYTES
+from vllm_aio.log import get_logger
+from vllm_aio.pool.entry import HASH_PREFIX_BYTES, HEADER_BYTES, describe
+from vllm_aio.pool.keys import Unit
+
+logger = get_logger(__name__)
 
 _WORD = 8  # bytes of the int64 elements the kernels move
+_OK, _MISSING, _FOREIGN = 0, 1, 2
+_STATUS = {_OK: Status.OK, _MISSING: Status.MISSING, _FOREIGN: Status.FOREIGN}
 
 
 @dataclass
 class SlotLoad:
     """One chunk's copy from slots: what to recheck once ``event`` completes."""
 
-    positions: list[int]  # of the chunk's blocks whose bytes are being copied
-    pins: list[tuple[int, int]]  # their (slot, version)
+    positions: np.ndarray  # of the chunk's blocks whose bytes are being copied
+    slots: np.ndarray  # their pinned slots and versions
+    versions: np.ndarray
     event: torch.Event | None
 
     def torn(self, store: SlotStore) -> list[int]:
         """Positions whose slot was evicted or rewritten since its pin (call after ``event``)."""
         Device.synchronize(self.event)
-        return [p for p, (slot, version) in zip(self.positions, self.pins) if not store.still_valid(slot, version)]
+        if not len(self.slots):
+            return []
+        return self.positions[~store.unchanged(self.slots, self.versions)].tolist()
+
+
+@dataclass
+class LoadPlan:
+    """What a chunk of distinct blocks needs for every unit it loads: made once per batch."""
+
+    hashes: list[bytes]
+    prefixes: np.ndarray  # [n, HASH_PREFIX_BYTES] uint8: each header's last field
+    row_of: np.ndarray  # per destination block: its value's position in the chunk
+    block_ids: np.ndarray  # the destination blocks
+    device_index: torch.Tensor | None = None  # block_ids then row_of, on the device (made on first use)
 
 
 class MappedSlots:
@@ -85,34 +105,47 @@ class MappedSlots:
         self._mapped.release()
 
     # ---- loads -------------------------------------------------------------
+    @staticmethod
+    def plan(hashes: list[bytes], targets: Sequence[list[int]]) -> LoadPlan:
+        """The per-batch part of loading these distinct blocks (hashes) into their ``targets``."""
+        prefixes = b"".join(h[:HASH_PREFIX_BYTES].ljust(HASH_PREFIX_BYTES, b"\0") for h in hashes)
+        row_of = np.repeat(np.arange(len(targets), dtype=np.int64), [len(t) for t in targets])
+        block_ids = np.fromiter((b for t in targets for b in t), dtype=np.int64, count=len(row_of))
+        return LoadPlan(hashes, np.frombuffer(prefixes, dtype=np.uint8).reshape(-1, HASH_PREFIX_BYTES), row_of, block_ids)
+
     def load(
-        self,
-        keys: Sequence[str],
-        expected: Sequence[bytes],
-        targets: Sequence[list[int]],
-        layers: Sequence[int],
-        check: Callable[[torch.Tensor, list[bytes], list[Status]], list[Status]],
+        self, plan: LoadPlan, namespace_digest: str, shard: str, unit: Unit, fixed_header: bytes
     ) -> tuple[list[Status], SlotLoad]:
-        """Copy each key's payload to every block of its ``targets``; ``check`` refuses foreign headers.
+        """Copy each value of ``plan`` to its blocks; a value whose header differs from
+        ``fixed_header`` + its hash prefix is refused (``FOREIGN``), a missing one is ``MISSING``.
 
         Gathers on the current stream, scatters on a stream of its own; the
         returned ``SlotLoad`` carries the event after both and which blocks
-        to recheck once it has completed.
+        to recheck once it has completed. No Python work per block: a
+        layerwise step runs this once per layer for the same blocks.
         """
-        pins = self.store.pin_for_read(keys)
-        found = [i for i, p in enumerate(pins) if p is not None]
-        statuses = [Status.MISSING] * len(keys)
-        if found:
-            stored = torch.from_numpy(self._host_rows[[pins[i][0] for i in found], :HEADER_BYTES])
-            got = check(stored, [expected[i] for i in found], [Status.OK] * len(found))
-            for i, status in zip(found, got):
-                statuses[i] = status
-        ok = [i for i in found if statuses[i] is Status.OK]
-        if not ok:
-            return statuses, SlotLoad([], [], None)
-        row_of, ids = zip(*[(r, dst) for r, i in enumerate(ok) for dst in targets[i]])
-        done = self._copies.to_cache([pins[i][0] for i in ok], list(row_of), list(ids), layers)
-        return statuses, SlotLoad(ok, [pins[i] for i in ok], done)
+        slots, versions = self.store.pin_blocks(namespace_digest, shard, unit.tag, plan.hashes)
+        found = np.flatnonzero(slots >= 0)
+        stored = self._host_rows[slots[found], :HEADER_BYTES]
+        fixed = np.frombuffer(fixed_header, dtype=np.uint8)
+        same = (stored[:, : len(fixed)] == fixed).all(axis=1) & (stored[:, len(fixed) :] == plan.prefixes[found]).all(axis=1)
+        codes = np.full(len(slots), _MISSING, dtype=np.int8)
+        codes[found] = np.where(same, _OK, _FOREIGN)
+        for i in found[~same].tolist():
+            logger.debug("vllm_aio: refused a value: stored %s", describe(self._host_rows[slots[i], :HEADER_BYTES].tobytes()))
+        statuses = [_STATUS[c] for c in codes.tolist()]
+        ok = found[same]
+        if not len(ok):
+            return statuses, SlotLoad(ok, ok, ok, None)
+        if len(ok) == len(slots):  # the common case: every value there, the plan's indices as they are
+            done = self._copies.to_cache(slots, plan, unit.layers)
+        else:
+            keep = np.isin(plan.row_of, ok)
+            remap = np.full(len(slots), -1, dtype=np.int64)
+            remap[ok] = np.arange(len(ok))
+            partial = LoadPlan(plan.hashes, plan.prefixes, remap[plan.row_of[keep]], plan.block_ids[keep])
+            done = self._copies.to_cache(slots[ok], partial, unit.layers)
+        return statuses, SlotLoad(ok, slots[ok], versions[ok], done)
 
     # ---- saves -------------------------------------------------------------
     def reserve(self, keys: Sequence[str]) -> list[int | None]:
@@ -152,26 +185,27 @@ class _KernelCopies:
         self._device = device
         self._scatter_stream = device.new_stream()
 
-    def to_cache(self, slots: list[int], row_of: list[int], ids: list[int], layers: Sequence[int]) -> torch.Event:
-        """Gather ``slots`` across the link, then scatter row ``row_of[j]`` into block ``ids[j]``."""
-        # One index transfer, before any kernel of the chunk.
-        index = self._device.indices(slots + ids + row_of)
-        n, m = len(slots), len(ids)
-        rows = self._rows.index_select(0, index[:n])  # across the link
+    def to_cache(self, slots: np.ndarray, plan: LoadPlan, layers: Sequence[int]) -> torch.Event:
+        """Gather ``slots`` across the link, then scatter row ``plan.row_of[j]`` into block ``plan.block_ids[j]``."""
+        n, m = len(slots), len(plan.block_ids)
+        if plan.device_index is None:  # once per batch: the same blocks for every layer
+            plan.device_index = self._device.indices(np.concatenate((plan.block_ids, plan.row_of)))
+        index = self._device.indices(slots)
+        rows = self._rows.index_select(0, index)  # across the link
         gathered = self._device.record()
         # The on-device scatter runs on a stream of its own, so the next
         # chunk's gather (link-bound) overlaps this one's scatter (memory-bound).
         with self._device.on(self._scatter_stream):
             self._device.wait(gathered, self._scatter_stream)
             if m != n:  # a value shared by several blocks: repeated on the device
-                rows = rows.index_select(0, index[n + m :])
-            self._layout.scatter(rows.view(torch.uint8)[:, HEADER_BYTES:], index[n : n + m], layers)
-            _keep_until_done(rows, index, stream=self._scatter_stream)
+                rows = rows.index_select(0, plan.device_index[m:])
+            self._layout.scatter(rows.view(torch.uint8)[:, HEADER_BYTES:], plan.device_index[:m], layers)
+            _keep_until_done(rows, index, plan.device_index, stream=self._scatter_stream)
             return self._device.record(self._scatter_stream)
 
     def from_cache(self, block_ids: list[int], slots: list[int], layers: Sequence[int]) -> torch.Event | None:
         n = len(block_ids)
-        index = self._device.indices(block_ids + slots)
+        index = self._device.indices(np.asarray(block_ids + slots, dtype=np.int64))
         scratch = self._device.empty(n * self._slot_size).view(torch.int64).view(n, -1)
         self._layout.gather(index[:n], layers, scratch.view(torch.uint8)[:, HEADER_BYTES:])
         gathered = self._device.record()
@@ -197,9 +231,8 @@ class _HostCopies:
                 offset += p.size
         return out
 
-    def to_cache(self, slots: list[int], row_of: list[int], ids: list[int], layers: Sequence[int]) -> None:
-        src = np.asarray(slots, dtype=np.int64)[row_of]
-        dst = np.asarray(ids, dtype=np.int64)
+    def to_cache(self, slots: np.ndarray, plan: LoadPlan, layers: Sequence[int]) -> None:
+        src, dst = slots[plan.row_of], plan.block_ids
         self._check(dst)
         for base, stride, size, offset in self._planes(layers):
             copy_rows(base, stride, dst, self._base + offset, self._slot_size, src, size)

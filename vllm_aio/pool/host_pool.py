@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_aio.pool.keys import block_of_key
+from vllm_aio.pool.keys import block_of_key, parse_block_key
 
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "vllm_aio."
@@ -65,18 +65,6 @@ _EMPTY = -1
 _H_MAGIC, _H_SLOT_SIZE, _H_NUM_SLOTS, _H_TABLE_SIZE, _H_CLOCK = range(5)
 _H_NEXT_UNUSED, _H_EVICTIONS, _H_NUM_READY = range(5, 8)
 _H_FIELDS = 16
-
-
-def _key_id(key: str) -> tuple[int, int]:
-    digest = hashlib.blake2b(key.encode(), digest_size=16).digest()
-    return int.from_bytes(digest[:8], "little") >> 1, int.from_bytes(digest[8:], "little") >> 1
-
-
-def _key_ids(keys: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """``_key_id`` of every key, as two int64 arrays (hi, lo): one hash call per key, the rest numpy."""
-    raw = b"".join([hashlib.blake2b(k.encode(), digest_size=16).digest() for k in keys])
-    words = (np.frombuffer(raw, dtype=_U64).reshape(-1, 2) >> np.uint64(1)).astype(np.int64)
-    return words[:, 0], words[:, 1]
 
 
 _U64 = np.dtype("<u8")
@@ -146,6 +134,46 @@ def _groups_of_keys(keys: Sequence[str]) -> BlockGroups:
         ids = namespace_groups(digest, layered, [hashes[i] for i in idx])
         hi[at[idx]], lo[at[idx]] = ids.hi, ids.lo
     return BlockGroups(hi, lo)
+
+
+@functools.lru_cache(maxsize=4096)  # (namespace, shard, unit): a few hundred per deployment
+def _value_salt(namespace_digest: str, shard: str, tag: int | None) -> np.ndarray:
+    text = f"value:{namespace_digest}:{shard}:{'' if tag is None else tag}"
+    return np.frombuffer(hashlib.blake2b(text.encode(), digest_size=16).digest(), dtype=_U64)
+
+
+def value_ids(namespace_digest: str, shard: str, tag: int | None, hashes: Sequence[bytes]) -> BlockGroups:
+    """The index ids of the block keys ``block_key(namespace_digest, shard, hash, tag)``, computed
+    from the hashes' bytes in numpy (no string and no hash call per key): what the direct path pins."""
+    return block_groups(_value_salt(namespace_digest, shard, tag), hashes)
+
+
+def _key_ids(keys: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Every key's index id as two int64 arrays (hi, lo).
+
+    A block key's id is ``value_ids`` of its fields, so a reader holding the
+    block hashes finds it without building the string; any other key is
+    hashed whole (blake2b).
+    """
+    hi, lo = np.zeros(len(keys), dtype=np.int64), np.zeros(len(keys), dtype=np.int64)
+    groups: dict[tuple[str, str, int | None], tuple[list[int], list[bytes]]] = {}
+    others: list[int] = []
+    for i, key in enumerate(keys):
+        fields = parse_block_key(key)
+        if fields is None:
+            others.append(i)
+        else:
+            at, hashes = groups.setdefault(fields[:3], ([], []))
+            at.append(i)
+            hashes.append(fields[3])
+    for (digest, shard, tag), (at, hashes) in groups.items():
+        ids = value_ids(digest, shard, tag, hashes)
+        hi[at], lo[at] = ids.hi, ids.lo
+    if others:
+        raw = b"".join([hashlib.blake2b(keys[i].encode(), digest_size=16).digest() for i in others])
+        words = (np.frombuffer(raw, dtype=_U64).reshape(-1, 2) >> np.uint64(1)).astype(np.int64)
+        hi[others], lo[others] = words[:, 0], words[:, 1]
+    return hi, lo
 
 
 def _pid_alive(pid: int) -> bool:
@@ -515,15 +543,7 @@ class SharedHostPool:
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Presence of each key; a hit refreshes its LRU position."""
-        ids = [_key_id(k) for k in keys]
-        out = []
-        with self._locked():
-            for hi, lo in ids:
-                _, slot = self._find(hi, lo)
-                if slot >= 0:
-                    self._last_used[slot] = self._tick()
-                out.append(slot >= 0)
-        return out
+        return [pin is not None for pin in self.pin_for_read(keys)]
 
     def reserve(self, keys: Sequence[str]) -> list[int | None]:
         """Per key: a WRITING slot to fill, or None if already stored; -1 if no room.
@@ -531,7 +551,8 @@ class SharedHostPool:
         The slot records its key's id, so ``commit`` needs only the slot: a key
         is hashed once per put.
         """
-        ids = [_key_id(k) for k in keys]
+        his, los = _key_ids(keys)
+        ids = list(zip(his.tolist(), los.tolist()))
         groups = _groups_of_keys(keys)
         result: list[int | None] = []
         with self._locked():
@@ -595,16 +616,31 @@ class SharedHostPool:
         """
         if not keys:
             return []
-        hi, lo = _key_ids(keys)
+        slots, versions = self.pin_ids(*_key_ids(keys))
+        return [None if slot < 0 else (slot, version) for slot, version in zip(slots.tolist(), versions.tolist())]
+
+    def pin_blocks(
+        self, namespace_digest: str, shard: str, tag: int | None, hashes: Sequence[bytes]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``pin_for_read`` of the block keys of ``hashes``, without building them: (slots, versions), slot -1 if absent."""
+        ids = value_ids(namespace_digest, shard, tag, hashes)
+        return self.pin_ids(ids.hi, ids.lo)
+
+    def pin_ids(self, hi: np.ndarray, lo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, versions) of the keys with these ids (slot -1: absent); the hits' LRU refreshed in order."""
         with self._locked():
             slots = self._find_many(hi, lo)
-            hits = slots[slots >= 0]
+            hit = slots >= 0
+            hits = slots[hit]
             clock = int(self._header[_H_CLOCK])
             self._last_used[hits] = clock + 1 + np.arange(len(hits))  # one tick per hit, in order
             self._header[_H_CLOCK] = clock + len(hits)
-            versions = self._version[hits].tolist()
-        found = iter(zip(hits.tolist(), versions))
-        return [next(found) if slot >= 0 else None for slot in slots.tolist()]
+            versions = np.where(hit, self._version[np.where(hit, slots, 0)], -1)
+        return slots, versions
+
+    def unchanged(self, slots: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """``still_valid`` of many pins at once (a bool array)."""
+        return (self._version[slots] == versions) & (self._state[slots] == READY)
 
     def _find_many(self, hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
         """``_find``'s slot for every key at once (-1: absent): one numpy round per probe distance."""

@@ -61,6 +61,20 @@ def block_key(namespace_digest: str, shard: str, block_hash: bytes, layer: int |
     return key if layer is None else f"{key}:L{layer}"
 
 
+def parse_block_key(key: str) -> tuple[str, str, int | None, bytes] | None:
+    """(namespace digest, shard, layer tag, block hash) of a block key; None for any other key."""
+    fields = key.split(":")
+    if fields[0] != "aio" or len(fields) not in (4, 5):
+        return None
+    if len(fields) == 5 and not (fields[4][:1] == "L" and fields[4][1:].isdigit()):
+        return None
+    try:
+        block_hash = bytes.fromhex(fields[3])
+    except ValueError:
+        return None
+    return fields[1], fields[2], int(fields[4][1:]) if len(fields) == 5 else None, block_hash
+
+
 def block_of_key(key: str) -> tuple[str, bool, bytes] | None:
     """(namespace digest, one layer per value, block hash) of a block key; None for any other key."""
     fields = key.split(":")
