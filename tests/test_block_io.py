@@ -248,3 +248,19 @@ def test_a_direct_save_that_raises_gives_its_reserved_slot_back(device, monkeypa
             saver.save(refs([3]), EVERY_LAYER, saver.device.record(), CopyHandoff())
     # Had the slot stayed reserved, the pool would have no room for this one.
     assert saver.save(refs([1]), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK]
+
+
+@pytest.mark.parametrize("device", DIRECT_DEVICES)
+def test_slots_in_runs_move_by_dma_byte_for_byte(device, monkeypatch):
+    from vllm_aio.connector import mapped_slots
+
+    monkeypatch.setattr(mapped_slots, "_MIN_DMA_BYTES", 1)  # every run worth a DMA (accelerators)
+    shape = SHAPES["kv_split"]
+    saver, src, backend = make_io(device, shape, None, seed=1)
+    # Saved together: consecutive slots, one run; the load's second half is another run.
+    assert saver.save(refs([3, 7, 1, 2, 9, 4]), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK] * 6
+    loader, dst, _ = make_io(device, shape, backend, seed=2)
+    wanted = refs([0, 5, 11, 6, 8, 10])
+    assert loaded(loader, wanted[3:] + wanted[:3], EVERY_LAYER) == [Status.OK] * 6
+    for n in LAYERS:
+        assert torch.equal(dst[n][:, [0, 5, 11, 6, 8, 10]], src[n][:, [3, 7, 1, 2, 9, 4]])

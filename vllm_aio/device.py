@@ -120,7 +120,7 @@ class Device:
         torch_npu exposes no way to wrap a mapped address as a tensor.
         """
         if self.is_host:
-            return MappedHost(_host_tensor(address, nbytes))
+            return MappedHost(host_tensor(address, nbytes))
         if self.torch_device.type == "cuda" and nbytes:
             return _map_cuda(address, nbytes, self.torch_device)
         return None
@@ -205,7 +205,8 @@ class MappedHost:
         self.tensor = None
 
 
-def _host_tensor(address: int, nbytes: int) -> torch.Tensor:
+def host_tensor(address: int, nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory at ``address`` as a CPU uint8 tensor (no copy; the caller keeps the memory alive)."""
     if not nbytes:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
@@ -235,7 +236,7 @@ def _map_cuda(address: int, nbytes: int, device: torch.device) -> MappedHost:
     with _mapped_lock:
         entry = _mapped_cuda.get(region)
         if entry is None:
-            pages = _host_tensor(address, nbytes)
+            pages = host_tensor(address, nbytes)
             entry = _mapped_cuda[region] = [_register_cuda(pages, device), 0]
         entry[1] += 1
 
