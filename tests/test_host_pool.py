@@ -626,3 +626,12 @@ def test_a_block_key_is_found_from_its_hash_alone(name):
         assert not pool.unchanged(slots[:2], versions[:2]).any()
     finally:
         pool.close()
+
+
+def test_block_key_ids_tell_apart_hashes_with_structure():
+    from vllm_aio.pool.host_pool import value_ids
+
+    a, b = b"A" * 16, b"B" * 16
+    hashes = [a + b, b + a, a + a, b + b, b"ab", b"ab\0"]  # swapped halves, equal halves, padding
+    ids = value_ids("0123456789abcdef", "pp0.dcp0.h0", 0, hashes)
+    assert len(set(zip(ids.hi.tolist(), ids.lo.tolist()))) == len(hashes)
