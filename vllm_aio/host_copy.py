@@ -82,8 +82,8 @@ def copy_many(dst: np.ndarray, src: np.ndarray, size: np.ndarray, threads: int |
         raise ValueError(f"copy_many: {len(dst)} destinations, {len(src)} sources, {len(size)} sizes")
     if len(size) and size.min() < 0:
         raise ValueError("copy_many: negative size")
-    nbytes = int(size.sum())
-    _share(partial(_copy_span, dst, src, size), nbytes, threads)
+    ends = np.cumsum(size)
+    _share(partial(_copy_span, dst, src, ends), int(ends[-1]) if len(ends) else 0, threads)
 
 
 def copy_rows(
@@ -187,17 +187,16 @@ def _memcpy(typingctx, dst, src, nbytes):  # noqa: ARG001 (numba's intrinsic sig
 
 
 @_compiled
-def _copy_span(dst: np.ndarray, src: np.ndarray, size: np.ndarray, lo: int, hi: int) -> None:
-    """The bytes [lo, hi) of the batch, the copies' bytes counted back to back in order."""
-    start = 0
-    for i in range(size.shape[0]):
-        end = start + size[i]
-        if end > lo:
-            a, b = max(start, lo), min(end, hi)
-            _memcpy(dst[i] + a - start, src[i] + a - start, b - a)
-        if end >= hi:
+def _copy_span(dst: np.ndarray, src: np.ndarray, ends: np.ndarray, lo: int, hi: int) -> None:
+    """The bytes [lo, hi) of the batch, the copies' bytes counted back to back in order (copy i ends at ends[i])."""
+    i = np.searchsorted(ends, lo, side="right")  # the first copy ending after lo
+    while i < ends.shape[0]:
+        start = ends[i - 1] if i else 0
+        a, b = max(start, lo), min(ends[i], hi)
+        _memcpy(dst[i] + a - start, src[i] + a - start, b - a)
+        if ends[i] >= hi:
             return
-        start = end
+        i += 1
 
 
 @_compiled
