@@ -219,6 +219,13 @@ class Bench:
                 "save": lambda: wall(acc, do_save),
                 "pool_put": lambda: wall(acc, do_put),
             }
+            if acc.is_async:
+                reads["h2d"] = lambda: events(lambda: dev_rows.copy_(a.view(n, value), non_blocking=True))
+                writes["d2h"] = lambda: events(lambda: a.view(n, value).copy_(dev_rows, non_blocking=True))
+                reads["scatter"] = lambda: events(
+                    lambda: self.layout.scatter(dev_rows[:, HEADER_BYTES:], ids_dev, unit.layers))
+                writes["gather"] = lambda: events(
+                    lambda: self.layout.gather(ids_src_dev, unit.layers, dev_rows[:, HEADER_BYTES:]))
             if direct.direct:
                 reads["direct_load"] = lambda: wall(acc, lambda: expect(load_and_wait(direct, into, unit), Status.OK,
                                                                         "direct BlockIO.load"))

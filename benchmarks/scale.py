@@ -52,7 +52,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _report import RESULTS, arguments, print_markdown, write_results  # noqa: E402  (benchmarks/ is on sys.path)
-from vllm_aio.backends import Backend, Status  # noqa: E402
+from vllm_aio.backends import Backend  # noqa: E402
 from vllm_aio.backends.local import LocalBackend  # noqa: E402
 from vllm_aio.connector.deployment import Deployment  # noqa: E402
 from vllm_aio.connector.scheduler import AioScheduler  # noqa: E402

@@ -115,6 +115,13 @@ class _FaultySlots:
         return valid
 
 
+def _evict_one(pool) -> None:
+    """Reserve every free slot and one more, so the pool evicts its least recently used value; then free them."""
+    usage = pool.usage()
+    slots = pool.reserve([f"evict-{uuid.uuid4().hex}" for _ in range(usage.num_slots - usage.num_ready + 1)])
+    pool.abandon([s for s in slots if s is not None and s >= 0])
+
+
 def _scribble(segments) -> None:
     for address, size in segments:
         ctypes.memset(address, 0x3C, size)

@@ -31,8 +31,6 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-import torch
-
 from vllm_aio.backends import Status
 from vllm_aio.connector.block_io import Batch, BlockIO, BlockRef, DistinctBlocks, Loaded
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer

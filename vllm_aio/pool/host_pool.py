@@ -538,7 +538,7 @@ class SharedHostPool:
             return []
         count = min(count, len(ready))
         # In slot order: a batch's values then lie back to back where they can,
-        # and their copies merge (``segments.copy_all``).
+        # so a direct load finds them in runs it moves by DMA (``connector/mapped_slots.py``).
         victims = np.sort(ready[np.argpartition(self._last_used[ready], count - 1)[:count]])
         for slot in victims.tolist():
             bucket, found = self._find(int(self._key_hi[slot]), int(self._key_lo[slot]))
