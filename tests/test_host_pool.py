@@ -635,3 +635,13 @@ def test_block_key_ids_tell_apart_hashes_with_structure():
     hashes = [a + b, b + a, a + a, b + b, b"ab", b"ab\0"]  # swapped halves, equal halves, padding
     ids = value_ids("0123456789abcdef", "pp0.dcp0.h0", 0, hashes)
     assert len(set(zip(ids.hi.tolist(), ids.lo.tolist()))) == len(hashes)
+
+
+def test_a_block_key_id_does_not_depend_on_the_rest_of_its_batch():
+    from vllm_aio.pool.host_pool import value_ids
+
+    hashes = [f"req:{i}".encode() for i in (0, 10, 100, 1000)] + [hashlib.sha256(b"x").digest()]
+    together = value_ids("0123456789abcdef", "pp0.dcp0.h0", None, hashes)
+    for i, h in enumerate(hashes):
+        alone = value_ids("0123456789abcdef", "pp0.dcp0.h0", None, [h])
+        assert (alone.hi[0], alone.lo[0]) == (together.hi[i], together.lo[i])

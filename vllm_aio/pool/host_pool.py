@@ -151,17 +151,22 @@ def value_ids(namespace_digest: str, shard: str, tag: int | None, hashes: Sequen
     structure, e.g. test names, collided), with the hash's length in the seed.
     """
     salt = _value_salt(namespace_digest, shard, tag)
-    if not hashes:
-        return BlockGroups(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-    sizes = list(map(len, hashes))
-    width = -(-max(sizes) // 8) * 8
-    raw = b"".join(hashes) if min(sizes) == width else b"".join(h.ljust(width, b"\0") for h in hashes)
-    words = np.frombuffer(raw, dtype=_U64).reshape(len(hashes), width // 8)
-    length = np.asarray(sizes, dtype=np.uint64)
-    hi, lo = salt[0] ^ length, salt[1] ^ (length << np.uint64(32))
-    for k in range(words.shape[1]):
-        hi = _mix(hi ^ words[:, k])
-        lo = _mix(lo ^ words[:, k] ^ hi)
+    sizes = np.fromiter(map(len, hashes), dtype=np.int64, count=len(hashes))
+    hi, lo = np.zeros(len(hashes), dtype=np.uint64), np.zeros(len(hashes), dtype=np.uint64)
+    # By length: an id must not depend on the other hashes of the batch (vLLM's are all one size).
+    for size in np.unique(sizes).tolist():
+        at = np.flatnonzero(sizes == size)
+        width = -(-size // 8) * 8
+        if len(at) == len(hashes) and size == width:  # the common case: one size, whole words
+            raw = b"".join(hashes)
+        else:
+            raw = b"".join(hashes[i].ljust(width, b"\0") for i in at.tolist())
+        words = np.frombuffer(raw, dtype=_U64).reshape(len(at), width // 8)
+        h, l_ = np.full(len(at), salt[0] ^ np.uint64(size)), np.full(len(at), salt[1] ^ np.uint64(size << 32))
+        for k in range(words.shape[1]):
+            h = _mix(h ^ words[:, k])
+            l_ = _mix(l_ ^ words[:, k] ^ h)
+        hi[at], lo[at] = h, l_
     return BlockGroups(hi.view(np.int64), lo.view(np.int64))
 
 
