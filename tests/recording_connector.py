@@ -2,7 +2,8 @@
 
 Loaded by real vLLM through ``kv_connector_module_path: recording_connector``.
 Each process appends the keys it puts, one a line, to ``$AIO_RECORD_DIR/<pid>``,
-so a test can tell which worker (rank) stored what. Everything else (vLLM, the
+so a test can tell which worker (rank) stored what: through ``batch_put``, or
+through the embedded pool's slots (``reserve``) on the direct path. Everything else (vLLM, the
 connector, the pool) is the real thing.
 """
 
@@ -15,17 +16,32 @@ from typing import Any
 from vllm_aio.connector import AioConnector
 
 
-class _RecordingBackend:
+class _Recorder:
     def __init__(self, inner: Any, path: str) -> None:
         self.inner, self.path = inner, path
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def batch_put(self, keys: Sequence[str], segments: Sequence[Any]) -> Any:
+    def _record(self, keys: Sequence[str]) -> None:
         with open(self.path, "a") as log:
             log.write("".join(f"{key}\n" for key in keys))
+
+
+class _RecordingSlots(_Recorder):
+    def reserve(self, keys: Sequence[str]) -> Any:
+        self._record(keys)
+        return self.inner.reserve(keys)
+
+
+class _RecordingBackend(_Recorder):
+    def batch_put(self, keys: Sequence[str], segments: Sequence[Any]) -> Any:
+        self._record(keys)
         return self.inner.batch_put(keys, segments)
+
+    def slots(self) -> Any:
+        inner = self.inner.slots()
+        return None if inner is None else _RecordingSlots(inner, self.path)
 
 
 class RecordingAioConnector(AioConnector):
