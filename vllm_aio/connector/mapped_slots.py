@@ -3,18 +3,20 @@
 The embedded pool keeps every value in a fixed-size slot of one host mapping
 (``pool/host_pool.py``). Where the device can map host memory
 (``Device.map_host``: CUDA under unified addressing; the CPU trivially), that
-mapping is mapped once per worker and a batch moves as kernels on the
-transfer stream:
+mapping is mapped once per worker and a batch moves without staging:
 
-* load: one gather of the batch's slots from the mapping into a device
-  scratch (the bytes cross the link once, read by the kernel), then the usual
-  on-device scatter into the paged cache (``BlockLayout.scatter``);
-* save: the usual on-device gather out of the cache into a scratch, then one
-  scatter of the payloads into the reserved slots; the CPU writes the
-  64-byte headers and publishes the slots once the kernel has finished.
+* CUDA, load: the batch's slots into a device scratch (the bytes cross the
+  link once: one DMA per run of consecutive slots, or one gather kernel over
+  scattered ones), then the usual on-device scatter into the paged cache
+  (``BlockLayout.scatter``) on a second stream; save: the usual on-device
+  gather out of the cache, then the scratch into the reserved slots the same
+  two ways. Kernels view the slots as int64 rows: 8-byte accesses keep each
+  warp's reads of mapped memory wide.
+* the CPU: one compiled row copy per layer plane between the slots and the
+  cache (``host_copy.copy_rows``), on every core.
 
-Slots are viewed as int64 rows: 8-byte loads and stores keep each warp's
-accesses to mapped memory wide (issue 12's measurements were taken so).
+Either way the CPU writes the 64-byte headers and publishes the slots once
+the copies have finished.
 
 The pool's guarantees stay: a load pins each slot's version, checks the
 header in host memory before the copy, and ``Loaded.settle`` rechecks the
@@ -28,10 +30,9 @@ else owns.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import ctypes
 
 import numpy as np
 import torch
