@@ -532,9 +532,8 @@ class SharedHostPool:
             slots += free.tolist()
         if len(slots) < count:
             slots += self._evict(count - len(slots))
-        for slot in slots:
-            state[slot] = WRITING
-            self._version[slot] += 1
+        state[slots] = WRITING
+        self._version[slots] += 1
         return slots
 
     def _evict(self, count: int) -> list[int]:
@@ -574,26 +573,22 @@ class SharedHostPool:
         is hashed once per put.
         """
         his, los = _key_ids(keys)
-        ids = list(zip(his.tolist(), los.tolist()))
         groups = _groups_of_keys(keys)
-        result: list[int | None] = []
         with self._locked():
-            missing = []
-            for i, (hi, lo) in enumerate(ids):
-                _, slot = self._find(hi, lo)
-                if slot >= 0:
-                    self._last_used[slot] = self._tick()
-                    result.append(None)
-                else:
-                    missing.append(i)
-                    result.append(-1)
-            slots = self._allocate(len(missing))
-            for i, slot in zip(missing, slots):
-                self._key_hi[slot], self._key_lo[slot] = ids[i]
-                result[i] = slot
+            found = self._find_many(his, los)  # vectorised, as pin_ids
+            stored = found >= 0
+            hits = found[stored]
+            clock = int(self._header[_H_CLOCK])
+            self._last_used[hits] = clock + 1 + np.arange(len(hits))  # one tick per stored key, in order
+            self._header[_H_CLOCK] = clock + len(hits)
+            missing = np.flatnonzero(~stored)
+            slots = np.asarray(self._allocate(len(missing)), dtype=np.int64)
             filled = missing[: len(slots)]
+            self._key_hi[slots], self._key_lo[slots] = his[filled], los[filled]
             self._slot_group_hi[slots], self._slot_group_lo[slots] = groups.hi[filled], groups.lo[filled]
-        return result
+        result = np.full(len(keys), -1, dtype=np.int64)
+        result[filled] = slots
+        return [None if known else slot for known, slot in zip(stored.tolist(), result.tolist())]
 
     def commit(self, slots: Sequence[int]) -> list[bool]:
         """Publish filled slots; False where another writer stored the key first.
