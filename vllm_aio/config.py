@@ -33,6 +33,8 @@ from vllm_aio.backends.settings import ConfigError, parse_size
 __all__ = ["BACKENDS", "AioConfig", "ConfigError", "parse_extra_config", "parse_size"]
 
 BACKENDS = tuple(SETTINGS)
+# What Mooncake's TransferEngine accepts as a protocol.
+MIGRATION_PROTOCOLS = ("tcp", "rdma", "ascend", "nvlink", "efa")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,22 @@ class AioConfig:
     discard_partial_chunks: bool = True
     # Mixed into every key: instances with different salts never share blocks.
     salt: str = ""
+    # The version of the model's weights, part of every key: KV computed under
+    # other weights never hits and never migrates. RL trainers change it at
+    # runtime after a weight update (POST /v1/kv_migration/weight_version).
+    weight_version: str = ""
+    # Serve the migration protocol (vllm_aio/migration): this instance can send
+    # running requests' KV to another instance and receive it.
+    migration: bool = False
+    # Seconds a target keeps an uncommitted migration's slots reserved; the
+    # source must finish writing within half of it.
+    migration_watchdog_timeout: float = 60.0
+    # How migrated bytes travel between embedded pools (Mooncake TransferEngine):
+    # "tcp", or "rdma"/"ascend" passed through with their device.
+    migration_protocol: str = "tcp"
+    migration_device_name: str = ""
+    # The address peers reach this host's transfer engine at ("": this host's name).
+    migration_hostname: str = ""
     # Store and load each layer as a value of its own, overlapping the
     # transfers with the forward layer by layer (keys differ: see pool/keys.py).
     use_layerwise: bool = False
@@ -101,6 +119,15 @@ class AioConfig:
             raise ConfigError(f"layerwise_prefetch_layers: expected an integer >= 0, got {self.layerwise_prefetch_layers}")
         if not self.transfer_timeout > 0:
             raise ConfigError(f"transfer_timeout: expected seconds > 0, got {self.transfer_timeout}")
+        if not self.migration_watchdog_timeout > 0:
+            raise ConfigError(
+                f"migration_watchdog_timeout: expected seconds > 0, got {self.migration_watchdog_timeout}"
+            )
+        if self.migration_protocol not in MIGRATION_PROTOCOLS:
+            raise ConfigError(
+                f"migration_protocol: expected one of {', '.join(MIGRATION_PROTOCOLS)}, "
+                f"got {self.migration_protocol!r}"
+            )
 
 
 _ENV_OVERRIDES = {"VLLM_AIO_BACKEND": "backend"}

@@ -151,6 +151,13 @@ class Backend(ABC):
         backend); None where values live anywhere else (the default)."""
         return None
 
+    def shared_store(self) -> str | None:
+        """A name equal on every instance that reads and writes these same values
+        (one Mooncake master, one Memcache meta service, one named embedded pool
+        on one host), so a migration between two such instances moves no bytes;
+        None: the values are this instance's own (the default)."""
+        return None
+
     def describe(self) -> str:
         """One line for the start-up log: where the values go (pool, service, protocol, ...)."""
         return type(self).__name__
@@ -196,6 +203,9 @@ class SlotStore(Protocol):
 
     def abandon(self, slots: Sequence[int]) -> None:
         """Give reserved slots back unfilled."""
+
+    def read_headers(self, slots: Sequence[int], length: int) -> list[bytes]:
+        """The first ``length`` bytes of each slot (a migration checks what a peer wrote)."""
 
 
 def check_memory(backend: Backend, memory: Memory) -> None:

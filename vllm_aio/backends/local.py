@@ -19,6 +19,7 @@ batch.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 
 from vllm_aio.backends.base import Backend, Segment, Status, distinct_only
@@ -31,12 +32,17 @@ from vllm_aio.pool.keys import BlockParts
 class LocalBackend(Backend):
     """Segments point to host memory (the only kind, see ``base.py``), copied by the CPU: nothing to register."""
 
-    def __init__(self, name: str, pool_bytes: int, value_bytes: int, seal: bool) -> None:
+    def __init__(self, name: str, pool_bytes: int, value_bytes: int, seal: bool, shared: bool = False) -> None:
         self.pool = SharedHostPool(name, value_bytes, slots_for(pool_bytes, value_bytes))
         self._pool_bytes = pool_bytes
+        self._shared = shared
         self._closed = False
         if seal:
             self.pool.seal()
+
+    def shared_store(self) -> str | None:
+        """Instances on one host that name one pool (``local_pool_name``) share its values."""
+        return f"local:{socket.gethostname()}:{self.pool.name}" if self._shared else None
 
     def describe(self) -> str:
         return f"pool={self.pool.name} size={self._pool_bytes / 2**30:.2f}GiB"

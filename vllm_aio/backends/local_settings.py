@@ -54,4 +54,4 @@ class LocalSettings(BackendSettings):
         # A private pool is sealed once the scheduler, created after every worker, has attached.
         private = self.local_pool_name is None
         return LocalBackend(self.local_pool_name or pool_name, self.local_pool_size, value_bytes,
-                            seal=private and for_scheduler)
+                            seal=private and for_scheduler, shared=not private)

@@ -240,6 +240,9 @@ class MemcacheBackend(Backend):
             except FutureTimeout:
                 raise RuntimeError(f"Memcache register_buffer took over {self._call_timeout:.0f} s") from None
 
+    def shared_store(self) -> str:
+        return f"memcache:{self.settings.meta_service_url}"
+
     def describe(self) -> str:
         s = self.settings
         role = " lookup-only" if s.lookup_only else ""

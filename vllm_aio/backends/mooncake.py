@@ -204,6 +204,10 @@ class MooncakeBackend(Backend):
     def wants_registration(self) -> bool:
         return True
 
+    def shared_store(self) -> str:
+        s = self.settings
+        return f"mooncake:{s.master_server_address}:{s.tenant_id}"
+
     def describe(self) -> str:
         s = self.settings
         return (f"master={s.master_server_address} protocol={s.protocol} metadata_server={s.metadata_server} "

@@ -34,6 +34,7 @@ the cache blocks may be reused, and the pool put runs from staging.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -161,6 +162,20 @@ class BlockIO:
         """Unmap what the device mapped; before the backend closes."""
         if self._direct is not None:
             self._direct.close()
+
+    @property
+    def namespace_digest(self) -> str:
+        return self._header.namespace_digest
+
+    def rename(self, namespace_digest: str) -> None:
+        """Key and label values under another namespace from now on (a new weight version).
+
+        Both attributes are replaced, not mutated: a transfer thread holding
+        the old ones finishes its batch consistently, and a value whose header
+        and key disagree could only ever be refused at load.
+        """
+        self._fixed_header = {}
+        self._header = dataclasses.replace(self._header, namespace_digest=namespace_digest)
 
     def value_bytes(self, unit: Unit) -> int:
         return HEADER_BYTES + self._layout.payload_bytes(unit.layers)

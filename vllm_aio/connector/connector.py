@@ -55,10 +55,18 @@ class AioConnector(KVConnectorBase_V1):
         backend = self.open_backend(cfg, dep, is_scheduler)
         self._scheduler: AioScheduler | None = None
         self._worker: AioWorker | None = None
+        self._migration = None
         self._num_blocks = kv_cache_config.num_blocks
         if is_scheduler:
             self._scheduler = AioScheduler(dep, backend)
             _log_start(cfg, dep, transfer, backend)
+            if cfg.migration:
+                from vllm_aio.migration.service import MigrationService
+
+                self._migration = MigrationService.start(
+                    self._scheduler, backend, dep, cfg, vllm_config.cache_config.prefix_caching_hash_algo,
+                    transfer.kv_role, transfer.engine_id,
+                )
         else:
             self._worker = AioWorker(dep, backend, Ownership(_topology(dep)), cfg)
 
@@ -98,6 +106,8 @@ class AioConnector(KVConnectorBase_V1):
         return self._worker.take_stats() if self._worker else None
 
     def shutdown(self) -> None:
+        if self._migration is not None:
+            self._migration.close()
         half = self._worker or self._scheduler
         if half is not None:
             half.close()

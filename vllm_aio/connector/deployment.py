@@ -88,6 +88,7 @@ def build_deployment(
         dcp_size=parallel.decode_context_parallel_size,
         group=0,
         salt=cfg.salt,
+        weight_version=cfg.weight_version,
     )
     role = vllm_config.kv_transfer_config.kv_role
     return Deployment(

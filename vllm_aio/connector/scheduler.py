@@ -22,7 +22,8 @@ minutes old and turn into a burst of failed loads.
 
 from __future__ import annotations
 
-
+import dataclasses
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,7 @@ class _Found:
     start: int
     end: int
     epoch: int
+    digest: str  # the namespace they were found under
 
 
 @dataclass
@@ -74,19 +76,23 @@ class _Tracker:
     num_saved_blocks: int = 0
     # Block indices [start, end) loaded from the pool: already stored there.
     loaded: tuple[int, int] = (0, 0)
+    # Blocks a migration asked to have stored, generated ones included (``flush``).
+    flush_blocks: int = 0
 
 
 class AioScheduler:
     def __init__(self, deployment: Deployment, backend: Backend) -> None:
         self._dep = deployment
         self._backend = backend
+        self.namespace = deployment.namespace
         # A block hits only when every distinct shard of the deployment (and,
-        # layerwise, every layer of it) is stored.
-        self._parts = BlockParts(
-            deployment.namespace.digest(),
-            tuple(Ownership(deployment.topology()).all_shard_ids()),
-            tuple(unit.tag for unit in deployment.units()),
-        )
+        # layerwise, every layer of it) is stored. Replaced as a whole when the
+        # weight version changes (another thread: the migration control).
+        self.parts = self._parts_of(deployment.namespace)
+        # Migrations' flush requests: last block hash -> blocks to store
+        # (``request_flush``, from the control thread; taken at the next step).
+        self._flush_lock = threading.Lock()
+        self._flushes: dict[bytes, int] = {}
         # req_id -> latest lookup answer; replaced on every call (idempotent).
         self._plans: dict[str, _LoadPlan] = {}
         # req_id -> what lookups found for it, while it waits; dropped when it
@@ -99,6 +105,47 @@ class AioScheduler:
         # preempted, or its load is reported failed (update_connector_output).
         self._claims: dict[str, _Claim] = {}
         self._lookups = LookupCounts()
+
+    def _parts_of(self, namespace) -> BlockParts:
+        return BlockParts(
+            namespace.digest(),
+            tuple(Ownership(self._dep.topology()).all_shard_ids()),
+            tuple(unit.tag for unit in self._dep.units()),
+        )
+
+    # ---- runtime changes (the migration control's thread) -----------------
+    def set_weight_version(self, version: str) -> None:
+        """Key everything from now on under ``version``: KV of other weights stops hitting.
+
+        The workers follow with the next step's metadata. Lookups remembered
+        for waiting requests are forgotten (they were under the old keys).
+        """
+        namespace = dataclasses.replace(self.namespace, weight_version=version)
+        self.namespace, self.parts = namespace, self._parts_of(namespace)
+        self._found.clear()
+
+    def request_flush(self, last_hash: bytes, num_blocks: int) -> None:
+        """Store the first ``num_blocks`` full blocks of the running request whose
+        ``num_blocks``-th block hash is ``last_hash`` (block hashes are chained, so
+        one hash names the whole prefix), generated tokens included."""
+        with self._flush_lock:
+            self._flushes[last_hash] = max(num_blocks, self._flushes.get(last_hash, 0))
+
+    def forget_flush(self, last_hash: bytes) -> None:
+        with self._flush_lock:
+            self._flushes.pop(last_hash, None)
+
+    def _take_flushes(self) -> None:
+        """Mark the running requests that migrations asked to have stored."""
+        with self._flush_lock:
+            if not self._flushes:
+                return
+            wanted = dict(self._flushes)
+        for tracker in self._trackers.values():
+            hashes = tracker.request.block_hashes
+            for last_hash, count in wanted.items():
+                if len(hashes) >= count and hashes[count - 1] == last_hash:
+                    tracker.flush_blocks = max(tracker.flush_blocks, count)
 
     # ---- lookup ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -116,20 +163,21 @@ class AioScheduler:
 
     def _complete_blocks(self, request: "Request", first: int) -> int:
         """The end of the leading blocks from ``first`` on that the pool holds completely."""
-        req_id, hashes = request.request_id, request.block_hashes
+        req_id, hashes, parts = request.request_id, request.block_hashes, self.parts
         try:
             epoch = self._backend.presence_epoch()  # before the lookup: an eviction during it moves it
             found = self._found.get(req_id)
             resume = first
-            if found is not None and epoch is not None and found.epoch == epoch and found.start <= first:
+            if (found is not None and epoch is not None and found.epoch == epoch and found.start <= first
+                    and found.digest == parts.namespace_digest):
                 resume = max(first, found.end)  # blocks [first, found.end) are still complete
-            end = resume + self._backend.count_complete_blocks(self._parts, hashes[resume:])
+            end = resume + self._backend.count_complete_blocks(parts, hashes[resume:])
         except Exception as exc:  # the pool is down: serve everything by recompute
             logger.warning("vllm_aio: pool lookup failed, treating as a miss: %s", exc)
             self._found.pop(req_id, None)
             return first
         if epoch is not None:
-            self._found[req_id] = _Found(first, end, epoch)
+            self._found[req_id] = _Found(first, end, epoch, parts.namespace_digest)
         return end
 
     def update_state_after_alloc(
@@ -165,7 +213,9 @@ class AioScheduler:
         loading = {t.req_id for t in self._pending_loads}
         for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids - loading:
             self._claims.pop(req_id, None)  # preempted since: its old blocks may be another's now
-        meta = AioConnectorMetadata(loads=self._pending_loads, lookups=self._lookups)
+        meta = AioConnectorMetadata(
+            loads=self._pending_loads, lookups=self._lookups, namespace_digest=self.parts.namespace_digest
+        )
         self._pending_loads, self._lookups = [], LookupCounts()
         scheduled: list[tuple[_Tracker, int]] = []  # with their computed tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -183,6 +233,7 @@ class AioScheduler:
             elif new_ids:
                 tracker.block_ids.extend(new_ids[0])
             scheduled.append((tracker, cached.num_computed_tokens[i]))
+        self._take_flushes()
         for tracker, computed in scheduled:
             self._plan_save(meta, tracker, computed, scheduler_output)
         if self._dep.buffer_layers:
@@ -231,10 +282,12 @@ class AioScheduler:
         if not self._dep.save_enabled:
             return
         request = tracker.request
+        bs = self._dep.block_size
         done_tokens = num_computed_tokens + scheduler_output.num_scheduled_tokens[request.request_id]
-        if not self._dep.save_decode_cache:
-            done_tokens = min(done_tokens, request.num_prompt_tokens)
-        full = min(done_tokens // self._dep.block_size, len(request.block_hashes), len(tracker.block_ids))
+        wanted = done_tokens
+        if not self._dep.save_decode_cache:  # a migration's flush stores generated blocks too
+            wanted = min(done_tokens, max(request.num_prompt_tokens, tracker.flush_blocks * bs))
+        full = min(wanted // bs, len(request.block_hashes), len(tracker.block_ids))
         start = tracker.num_saved_blocks
         if full <= start:
             return

@@ -108,6 +108,10 @@ class AioWorker:
     # ---- vLLM's hooks, in step order -------------------------------------------
     def begin_step(self, meta: AioConnectorMetadata) -> None:
         """Before every forward (vLLM binds the metadata), unlike ``start_load_kv``."""
+        if meta.namespace_digest and meta.namespace_digest != self._io.namespace_digest:
+            logger.info("vllm_aio: key namespace %s -> %s (weight version changed)",
+                        self._io.namespace_digest, meta.namespace_digest)
+            self._io.rename(meta.namespace_digest)
         self._loads.begin_step(meta)
         self._buffer.begin_step(meta)
 

@@ -562,6 +562,15 @@ class SharedHostPool:
         h = self._header
         return PoolUsage(self.layout.num_slots, int(h[_H_NUM_READY]), self.slot_size, int(h[_H_EVICTIONS]))
 
+    def writing_slots(self) -> int:
+        """Slots being written or reserved (a migration's slots until commit or watchdog)."""
+        return int(np.count_nonzero(self._state == WRITING))
+
+    def read_headers(self, slots: Sequence[int], length: int) -> list[bytes]:
+        """The first ``length`` bytes of each slot (the value headers a migration's commit checks)."""
+        size = self.layout.slot_size
+        return [bytes(self._data[slot * size : slot * size + length]) for slot in slots]
+
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Presence of each key; a hit refreshes its LRU position."""
         return [pin is not None for pin in self.pin_for_read(keys)]

@@ -5,7 +5,9 @@ A key is ``aio:{namespace}:{shard}:{block hash}[:L{layer}]``:
 * ``namespace`` digests everything that changes the meaning of a block's
   bytes for a whole deployment: model, dtypes, block size, KV layout, the CPU
   attention ISA path (the CPU kernel packs blocks per instruction set), the
-  parallel shape, the KV cache group and the user's salt.
+  parallel shape, the KV cache group, the user's salt and the weight version
+  (RL trainers update weights in place: KV computed under other weights must
+  neither hit nor migrate).
 * ``shard`` names the bytes one rank holds (``pool/ownership.py``): ranks with
   identical bytes share it; every shard must be present for a block to hit.
 * the block hash is vLLM's chained ``request.block_hashes`` entry, so a key
@@ -41,6 +43,7 @@ class Namespace:
     dcp_size: int
     group: int
     salt: str
+    weight_version: str = ""
 
     def digest(self) -> str:
         text = json.dumps(asdict(self), sort_keys=True)
