@@ -56,21 +56,27 @@ Handler = Callable[[str, dict], "tuple[int, dict]"]
 def socket_path(engine_id: str) -> Path:
     """Where the engine core with ``engine_id`` listens (the directory is created if missing)."""
     directory = _private_dir()
-    name = f"control-{engine_id}.sock"
-    if not _PLAIN_ID.fullmatch(engine_id) or len(os.fsencode(directory / name)) > _MAX_SOCKET_PATH:
-        name = f"control-{hashlib.sha256(engine_id.encode()).hexdigest()[:32]}.sock"
-    path = directory / name
-    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
-        raise ValueError(f"socket path {path} is longer than the {_MAX_SOCKET_PATH} bytes a unix socket takes")
+    path = directory / f"control-{engine_id}.sock"
+    if not _PLAIN_ID.fullmatch(engine_id) or not _fits(path):
+        path = directory / _hashed_name(engine_id)
     return path
+
+
+def _hashed_name(engine_id: str) -> str:
+    return f"control-{hashlib.sha256(engine_id.encode()).hexdigest()[:32]}.sock"
+
+
+def _fits(path: Path) -> bool:
+    return len(os.fsencode(path)) <= _MAX_SOCKET_PATH
 
 
 def _private_dir() -> Path:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
+    directory = Path(f"/tmp/vllm_aio-{os.getuid()}")
     if runtime and os.path.isabs(runtime) and os.access(runtime, os.W_OK | os.X_OK):
-        directory = Path(runtime) / "vllm_aio"
-    else:
-        directory = Path(f"/tmp/vllm_aio-{os.getuid()}")
+        # A runtime dir too deep for even a hashed name is passed over for /tmp.
+        if _fits(Path(runtime) / "vllm_aio" / _hashed_name("")):
+            directory = Path(runtime) / "vllm_aio"
     directory.mkdir(mode=0o700, exist_ok=True)
     _check_private(directory)
     return directory
