@@ -25,7 +25,6 @@ import socketserver
 import stat
 import threading
 from collections.abc import Callable
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
@@ -50,7 +49,7 @@ NOT_ENABLED = json.dumps({
     'set "migration": true in kv_connector_extra_config'
 }).encode()
 
-Handler = Callable[[str, dict], "tuple[int, dict]"]
+Handler = Callable[[str, dict], tuple[int, dict]]
 
 
 def socket_path(engine_id: str) -> Path:
@@ -99,13 +98,11 @@ class ControlServer:
         self.path = path
         self._handle = handle
         self._server: _UnixHTTPServer | None = None
-        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         _remove_stale_socket(self.path)
         self._server = _UnixHTTPServer(str(self.path), _request_handler(self._handle))
-        self._thread = threading.Thread(target=self._server.serve_forever, name="vllm_aio-control", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._server.serve_forever, name="vllm_aio-control", daemon=True).start()
         logger.info("KV migration control socket: %s", self.path)
 
     def close(self) -> None:
@@ -154,8 +151,9 @@ def _request_handler(handle: Handler) -> type[BaseHTTPRequestHandler]:
                 return problem[0], json.dumps(problem[1]).encode()
             try:
                 status, reply = handle(op, body)
-                if not isinstance(reply, dict):
-                    raise TypeError(f"the handler replied with a {type(reply).__name__}, not a JSON object")
+                if not isinstance(status, int) or not isinstance(reply, dict):
+                    raise TypeError(f"the handler returned ({status!r}, a {type(reply).__name__}), "
+                                    "not (status, a JSON object)")
                 return status, json.dumps(reply).encode()
             except Exception as exc:  # the server must outlive a failing operation
                 logger.exception("KV migration op %s failed", op)
