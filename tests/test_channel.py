@@ -10,6 +10,7 @@ import shutil
 import socket
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -83,6 +84,12 @@ def test_a_body_over_the_limit_is_refused_with_413_before_it_is_sent(serve):
     assert b"exceeds the" in reply
 
 
+def test_a_request_without_content_length_is_refused_with_411(serve):
+    server = serve(echo)
+    reply = raw_exchange(server.path, b"POST /allocate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 411 ")
+
+
 def test_a_body_that_is_not_json_is_refused_with_400(serve):
     server = serve(echo)
     status, reply = call(server.path, "allocate", b"{not json")
@@ -107,7 +114,7 @@ def test_a_failing_handler_answers_500_with_a_one_line_message_and_logs_it(serve
 def test_a_handler_reply_that_is_not_an_object_answers_500(serve):
     server = serve(lambda op, body: (200, ["not", "an", "object"]))
     status, reply = call(server.path, "commit", b"{}")
-    assert status == 500 and "not a JSON object" in reply["error"]
+    assert status == 500 and "not (status, a JSON object)" in reply["error"]
 
 
 def test_the_server_keeps_serving_after_a_handler_failure(serve):
@@ -131,6 +138,21 @@ def test_forward_answers_504_when_the_handler_outlasts_the_timeout(serve):
     server = serve(lambda op, body: (time.sleep(1.0), (200, {}))[1])
     status, reply = call(server.path, "transfer", b"{}", timeout=0.2)
     assert status == 504 and "did not answer transfer" in reply["error"]
+
+
+def test_forward_answers_502_when_the_peer_does_not_speak_http():
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(socket_path("not-http")))
+        listener.listen()
+
+        def babble() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(b"hello there\r\n\r\n")
+
+        threading.Thread(target=babble, daemon=True).start()
+        status, reply = call(socket_path("not-http"), "flush", b"{}")
+    assert status == 502 and "bad reply" in reply["error"]
 
 
 def test_a_stale_socket_file_is_replaced_at_start(serve):
