@@ -33,6 +33,8 @@ setup(
         "console_scripts": ["vllm-aio = vllm_aio.cli:main"],
         # Lets dynamic_buffer_layers re-plan vLLM's KV cache (a no-op otherwise).
         "vllm.general_plugins": ["vllm_aio_buffer_plan = vllm_aio.buffer_plan:register"],
+        # POST /v1/kv_migration/{op} on the OpenAI server (vllm_aio/migration/endpoints.py).
+        "vllm.endpoint_plugins": ["vllm_aio_migration = vllm_aio.migration.endpoints:MigrationEndpoints"],
     },
     classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],
 )

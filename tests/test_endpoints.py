@@ -1,0 +1,138 @@
+"""POST /v1/kv_migration/{op} on one real `vllm serve`, loaded as documented in
+vllm_aio/migration/endpoints.py: VLLM_PLUGINS naming both our plugins, --api-key set.
+
+The engine core is started without "migration", so no control server of its
+own listens: the last test stands one up where the engine core would, and
+checks that the API server's calls reach it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import ROOT, aio_config, require
+from vllm_aio.migration.channel import MAX_BODY_BYTES, ControlServer, socket_path
+
+API_KEY = "test-key"
+VLLM_PLUGINS = "vllm_aio_buffer_plan,vllm_aio_migration"
+# vLLM's connector factory logs this in each process that builds the connector.
+ENGINE_CORE_ENGINE_ID = re.compile(r"\(EngineCore[^)]*\).*Creating v1 connector .* engine_id: (\S+)")
+
+
+def _load_demo():
+    # The demo's helpers start and stop `vllm serve` the way the demo test does.
+    spec = importlib.util.spec_from_file_location("demo", ROOT / "examples" / "demo.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["demo"] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class Server:
+    base: str
+    engine_id: str  # as the engine-core process has it
+
+    def post(self, op: str, data, key: bool = True) -> requests.Response:
+        headers = {"Authorization": f"Bearer {API_KEY}"} if key else {}
+        return requests.post(f"{self.base}/v1/kv_migration/{op}", data=data, headers=headers, timeout=60)
+
+
+def _require_entry_point() -> None:
+    names = [ep.name for ep in importlib.metadata.entry_points(group="vllm.endpoint_plugins")]
+    if "vllm_aio_migration" not in names:
+        message = "vllm_aio_migration is not a vllm.endpoint_plugins entry point: reinstall (pip install -e .)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path) -> Iterator[Server]:
+    require("vllm")
+    _require_entry_point()
+    demo = _load_demo()
+    # A runtime dir of this module's own: the server's socket path and the test's agree through it.
+    runtime_dir = tempfile.mkdtemp(prefix="ep-", dir="/tmp")
+    port = demo.free_port()
+    log_path = Path(runtime_dir) / "server.log"
+    cmd = demo.server_command(str(tiny_model)) + [
+        "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
+        "--block-size", "32", "--max-model-len", "4096", "--enforce-eager",
+        # No engine_id: the test checks that the generated one reaches both processes.
+        "--kv-transfer-config", json.dumps(aio_config(local_pool_size="64MB")),
+    ]
+    env = {**os.environ, "VLLM_PLUGINS": VLLM_PLUGINS, "XDG_RUNTIME_DIR": runtime_dir,
+           "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with pytest.MonkeyPatch.context() as mp, open(log_path, "wb") as log:
+        mp.setenv("XDG_RUNTIME_DIR", runtime_dir)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            demo.wait_healthy(proc, base, log_path, timeout_s=180)
+            found = ENGINE_CORE_ENGINE_ID.search(log_path.read_text(errors="replace"))
+            assert found, f"no engine_id line from the engine core in {log_path}"
+            yield Server(base, found.group(1))
+        finally:
+            demo.stop_server(proc)
+            shutil.rmtree(runtime_dir)
+
+
+def test_a_call_without_the_api_key_is_refused_with_401(server: Server):
+    assert server.post("session_info", b"{}", key=False).status_code == 401
+
+
+def test_with_no_control_server_a_call_answers_503_migration_not_enabled(server: Server):
+    r = server.post("session_info", b"{}")
+    assert r.status_code == 503
+    assert '"migration": true in kv_connector_extra_config' in r.json()["error"]
+
+
+@pytest.mark.parametrize("op", ["Allocate", "alloc8", "a" * 33])
+def test_an_invalid_operation_name_is_refused_with_400(server: Server, op: str):
+    r = server.post(op, b"{}")
+    assert r.status_code == 400 and "invalid operation name" in r.json()["error"]
+
+
+@pytest.mark.parametrize("framing", ["content_length", "chunked"])
+def test_a_body_over_the_limit_is_refused_with_413(server: Server, framing: str):
+    size = MAX_BODY_BYTES + 1
+    # A generator makes requests send chunks with no Content-Length: the actual size must count.
+    data = b"x" * size if framing == "content_length" else (b"x" * (1 << 20) for _ in range((size >> 20) + 1))
+    r = server.post("allocate", data)
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]
+
+
+def test_a_call_reaches_the_control_server_of_the_engine_core_and_returns_its_reply(server: Server):
+    seen: list[tuple[str, dict]] = []
+
+    def handle(op: str, body: dict) -> tuple[int, dict]:
+        seen.append((op, body))
+        return 202, {"answered": op}
+
+    # Where the engine core would listen, by its own engine_id: reaching it
+    # proves the API server derived the same path from the same id.
+    control = ControlServer(socket_path(server.engine_id), handle)
+    control.start()
+    try:
+        r = server.post("allocate", json.dumps({"token_ids": [1, 2, 3]}))
+    finally:
+        control.close()
+    assert (r.status_code, r.json()) == (202, {"answered": "allocate"})
+    assert r.headers["content-type"] == "application/json"
+    assert seen == [("allocate", {"token_ids": [1, 2, 3]})]
