@@ -37,6 +37,7 @@ SCRIPTS = {
     "pool_bandwidth": ((), "case"),
     "scale": ((), "pool"),
     "mooncake_backend": (("mooncake",), "case"),
+    "transport": (("mooncake",), "value"),
     "ttft": (("vllm",), "model"),
     "mooncake_ttft": (("vllm", "mooncake"), "model"),
 }

@@ -131,7 +131,7 @@ class MooncakeSettings(BackendSettings):
         """``local_hostname``, or the local address that routes to the master."""
         if self.local_hostname:
             return self.local_hostname
-        return _route_address(split_address("master_server_address", self.master_server_address)[0])
+        return route_address(split_address("master_server_address", self.master_server_address)[0])
 
     def open(self, pool_name: str, value_bytes: int, for_scheduler: bool) -> Backend:
         from vllm_aio.backends.mooncake import MooncakeBackend
@@ -232,7 +232,7 @@ def _parse_size_or_zero(key: str, value: Any) -> int:
     return parse_size(key, value)
 
 
-def _route_address(host: str) -> str:
+def route_address(host: str) -> str:
     """The local IP the kernel would use to reach ``host`` (no packet is sent)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
