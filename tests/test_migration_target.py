@@ -15,7 +15,7 @@ import pytest
 from vllm_aio.migration.target import MigrationRefused, MigrationTarget
 from vllm_aio.pool.host_pool import SHM_DIR, SharedHostPool
 
-SLOT, SLOTS, TIMEOUT, HEADER = 256, 64, 10.0, 16
+SLOT, SLOTS, TIMEOUT, GRACE, HEADER = 256, 64, 10.0, 6.0, 16
 
 
 class Clock:
@@ -43,7 +43,7 @@ def clock() -> Clock:
 
 @pytest.fixture
 def target(pool, clock):
-    t = MigrationTarget(pool, TIMEOUT, clock)
+    t = MigrationTarget(pool, TIMEOUT, GRACE, clock)
     yield t
     t.close()
 
@@ -141,12 +141,12 @@ def test_unknown_migration_id_is_rejected(target):
     assert err.value.status == 404
 
 
-def test_watchdog_frees_an_uncommitted_reservation(pool, target, clock):
+def test_watchdog_frees_an_uncommitted_reservation_once_late_writes_cannot_land(pool, target, clock):
     before = pool.writing_slots()
-    res = allocate(target, blocks(4))
-    clock.now += TIMEOUT - 0.1
+    allocate(target, blocks(4))
+    clock.now += TIMEOUT + GRACE - 0.1
     target.sweep()
-    assert pool.writing_slots() == before + 8  # not yet
+    assert pool.writing_slots() == before + 8  # expired, but a batch sent before the deadline may still land
     clock.now += 0.2
     target.sweep()
     assert pool.writing_slots() == before
@@ -165,7 +165,7 @@ def test_aborted_slots_return_only_when_a_late_write_can_no_longer_land(pool, ta
     assert target.abort(res.migration_id)["state"] == "aborted"
     target.sweep()
     assert pool.writing_slots() == 4  # the source may still be writing until its deadline
-    clock.now += TIMEOUT
+    clock.now += TIMEOUT + GRACE
     target.sweep()
     assert pool.writing_slots() == 0
     with pytest.raises(MigrationRefused) as err:
@@ -180,7 +180,7 @@ def test_slots_after_a_partial_commit_are_held_until_the_deadline(pool, target, 
         write(pool, slot, header(key))
     target.commit(res.migration_id, HEADER)
     assert pool.writing_slots() == 2
-    clock.now += TIMEOUT
+    clock.now += TIMEOUT + GRACE
     target.sweep()
     assert pool.writing_slots() == 0
 

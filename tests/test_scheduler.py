@@ -241,6 +241,36 @@ def test_decode_blocks_are_saved_only_with_save_decode_cache():
         assert [list(s.block_ids) for s in meta.saves] == expected
 
 
+def test_flush_saves_the_generated_blocks_of_the_named_running_request():
+    sched = AioScheduler(deployment(), DictBackend())
+    req, other = Req("a", 8), Req("b", 8)
+    for r, ids in ((req, [1, 2]), (other, [5, 6])):
+        sched.update_state_after_alloc(r, blocks(ids), 0)
+    sched.build_connector_meta(step(new=[("a", [1, 2], 0), ("b", [5, 6], 0)], scheduled={"a": 8, "b": 8}))
+    for r in (req, other):
+        r.num_output_tokens = 4
+        r.block_hashes.append(block_hash(r.request_id, 2))
+    sched.request_flush(req.block_hashes[2], 3)
+    meta = sched.build_connector_meta(
+        step(cached=[("a", [3], 11, False), ("b", [7], 11, False)], scheduled={"a": 1, "b": 1}))
+    assert [(s.req_id, list(s.block_ids)) for s in meta.saves] == [("a", [3])]
+    sched.forget_flush(req.block_hashes[2])
+
+
+def test_weight_version_change_rekeys_lookups_and_metadata():
+    backend, dep = DictBackend(), deployment()
+    req = Req("a", 12)
+    store(backend, dep, req, 3)
+    sched = AioScheduler(dep, backend)
+    assert sched.get_num_new_matched_tokens(req, 0) == (11, False)
+    sched.set_weight_version("v2")
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # KV of other weights never hits
+    meta = sched.build_connector_meta(step())
+    assert meta.namespace_digest == sched.parts.namespace_digest != dep.namespace.digest()
+    sched.set_weight_version("")
+    assert sched.parts.namespace_digest == dep.namespace.digest()
+
+
 def test_resumed_request_saves_into_its_new_blocks():
     sched = AioScheduler(deployment(), DictBackend())
     req = Req("a", 16)

@@ -61,7 +61,11 @@ class MigrationControl:
         self._hasher = hasher
         self._role = role
         self._store = backend.slots()
-        self._target = MigrationTarget(self._store, cfg.migration_watchdog_timeout) if self._store else None
+        self._target = None
+        if self._store is not None:
+            from vllm_aio.migration.transport import late_write_bound
+
+            self._target = MigrationTarget(self._store, cfg.migration_watchdog_timeout, late_write_bound())
         self._link = None  # the TransferEngine, opened by the first call that needs it
         self._ops: dict[str, Callable[[Mapping[str, Any]], dict]] = {
             "session": self.session, "extra_size": self.extra_size, "allocate": self.allocate,
@@ -118,8 +122,8 @@ class MigrationControl:
     # ---- target ----------------------------------------------------------------
     def allocate(self, body: Mapping[str, Any]) -> dict:
         _fields(body, {"token_ids", "namespace", "hash_seed", "shared_store"}, {"migration_id"})
-        self._check_peer(body)
         tokens = _token_ids(body)
+        self._check_peer(body)
         hashes = self._hasher.hashes(tokens)
         first = self._present(hashes)
         shared = body["shared_store"] is not None and body["shared_store"] == self._backend.shared_store()

@@ -11,11 +11,13 @@ operation. A block with a part that did not land ends the prefix, and what
 follows it is not published.
 
 The watchdog: a reservation not committed ``timeout`` seconds after its
-allocation expires; a commit after that is rejected. Slots never go back to
-the pool before that moment, whether the migration was aborted, partly
-committed or forgotten: the source stops writing at half the timeout
-(``deadline_s`` of the allocation), and TransferEngine only checks that a
-write lands in registered memory, not whose slot it is, so a slot handed to
+allocation expires; a commit after that is rejected. Unpublished slots go
+back to the pool only ``grace`` seconds after that moment, whether the
+migration expired, was aborted or partly committed: the source starts no
+write after half the timeout (``deadline_s`` of the allocation), but a batch
+already sent can still land up to the transfer timeout later (even one that
+failed, once a stalled peer resumes), and TransferEngine only checks that a
+write lands in registered memory, not whose slot it is: a slot handed to
 another key while a late write could still arrive would be silently
 overwritten. Answers stay known for a while after (a repeated commit gets the
 same answer), then the id is forgotten.
@@ -67,9 +69,11 @@ class _Reservation:
 class MigrationTarget:
     """Reservations of one instance's pool, by migration id, with their watchdog thread."""
 
-    def __init__(self, store: SlotStore, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, store: SlotStore, timeout: float, grace: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._store = store
         self.timeout = timeout
+        self._grace = grace
         self._clock = clock
         self._lock = threading.Lock()
         self._table: dict[str, _Reservation] = {}
@@ -126,7 +130,7 @@ class MigrationTarget:
             stored = self._store.commit(publish) if publish else []
             rest = [s for block in res.slots[good:] for s in block if s >= 0]
             if rest:
-                self._held.append((res.expires, rest))
+                self._held.append((res.expires + self._grace, rest))
             res.state = "committed"
             res.answer = {
                 "migration_id": migration_id,
@@ -144,7 +148,7 @@ class MigrationTarget:
             res = self._live(migration_id)
             if res.state == "reserved":
                 res.state = "aborted"
-                self._held.append((res.expires, res.reserved()))
+                self._held.append((res.expires + self._grace, res.reserved()))
             return {"migration_id": migration_id, "state": res.state}
 
     def reservation(self, migration_id: str) -> _Reservation:
@@ -168,7 +172,7 @@ class MigrationTarget:
         if res.state == "expired":
             raise MigrationRefused(
                 410, f"migration {migration_id} expired: not committed within {self.timeout:g} s "
-                "(migration_watchdog_timeout); its slots were freed"
+                "(migration_watchdog_timeout); its slots are being freed"
             )
         return res
 
@@ -185,9 +189,10 @@ class MigrationTarget:
     def _expire(self, res: _Reservation) -> None:
         res.state = "expired"
         slots = res.reserved()
-        self._store.abandon(slots)
-        logger.warning("vllm_aio: migration %s not committed within %g s (migration_watchdog_timeout): freed %d slots",
-                       res.migration_id, self.timeout, len(slots))
+        self._held.append((res.expires + self._grace, slots))
+        logger.warning("vllm_aio: migration %s not committed within %g s (migration_watchdog_timeout): "
+                       "its %d slots return to the pool in %g s", res.migration_id, self.timeout, len(slots),
+                       self._grace)
 
     def _reserved_count(self) -> int:
         live = sum(len(r.reserved()) for r in self._table.values() if r.state == "reserved")

@@ -108,6 +108,20 @@ class LinkSettings:
         return self.hostname or route_address(_DEFAULT_ROUTE_PROBE)
 
 
+def late_write_bound() -> float:
+    """Seconds after the source's deadline that bytes of a batch already sent may still land.
+
+    A batch that failed (a stalled peer) can land when the peer resumes, up
+    to the transfer timeout after it started; one more second covers a
+    batch's own duration (64 MiB at ~2 GB/s).
+    """
+    try:
+        timeout = float(os.environ.get(_ENV_TRANSFER_TIMEOUT, TRANSFER_TIMEOUT_S))
+    except ValueError:
+        timeout = TRANSFER_TIMEOUT_S
+    return max(timeout, TRANSFER_TIMEOUT_S) + 1.0
+
+
 def coalesce(local: Addresses, remote: Addresses, lengths: Addresses) -> Spans:
     """The spans with each one whose local and remote addresses both continue the previous span merged into it."""
     loc, rem, size = _as_spans(local, remote, lengths)
