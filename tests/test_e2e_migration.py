@@ -16,20 +16,23 @@ gets killed). The source-dies test kills A, so it runs last.
 from __future__ import annotations
 
 import ctypes
+import json
+import subprocess
+import sys
 import time
 import uuid
 
 import pytest
 import requests
 
-from conftest import LOGPROB_TOLERANCE, aio_config, make_prompts, require
+from conftest import LOGPROB_TOLERANCE, ROOT, aio_config, make_prompts, require
 from servers import Servers
 from vllm_aio.migration.driver import Instance, MigrationError, generate_migrating, move_kv
 
 WATCHDOG_S = 6.0
 # The request must still be decoding on the source while its KV moves (one that
 # finished meanwhile is simply returned by the source), so it decodes well past the move.
-MAX_TOKENS, AFTER = 160, 16
+MAX_TOKENS, AFTER = 256, 16
 NO_EOS = {"ignore_eos": True}
 B_POOL = f"test-mig-b-{uuid.uuid4().hex[:8]}"
 PROMPTS = make_prompts(31, [600, 500, 700, 650, 550])
@@ -192,6 +195,25 @@ def test_allocation_larger_than_the_pool_allows_is_refused(a, b):
                             "shared_store": None})
     assert err.value.status == 507 and "local_pool_size" in str(err.value)
     assert writing_slots(b) == 0
+
+
+def test_example_moves_a_request_between_running_instances(a, b):
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "migrate.py"), "--source", a.url, "--target", b.url,
+                           "--prompt-tokens", "450", "--max-tokens", "120", "--after", "16"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "migrated generation equals the unmigrated one: True" in proc.stdout
+
+
+def test_cli_migrate_prints_the_generation_and_the_move(a, b, tmp_path):
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps(make_prompts(33, [420])[0]))  # greedy: no early EOS for this prompt, every run
+    proc = subprocess.run([sys.executable, "-m", "vllm_aio.cli", "migrate", "--source", a.url, "--target", b.url,
+                           "--prompt-token-ids", str(prompt), "--max-tokens", "120", "--after", "8"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["moved_after"] >= 8 and out["move"]["mode"] == "copy" and out["generated"] > out["moved_after"]
 
 
 class _KillsAfterAllocate(Instance):

@@ -93,6 +93,7 @@ class AioScheduler:
         # (``request_flush``, from the control thread; taken at the next step).
         self._flush_lock = threading.Lock()
         self._flushes: dict[bytes, int] = {}
+        self._flushing: set[bytes] = set()  # those matched to a running request
         # req_id -> latest lookup answer; replaced on every call (idempotent).
         self._plans: dict[str, _LoadPlan] = {}
         # req_id -> what lookups found for it, while it waits; dropped when it
@@ -131,9 +132,15 @@ class AioScheduler:
         with self._flush_lock:
             self._flushes[last_hash] = max(num_blocks, self._flushes.get(last_hash, 0))
 
+    def flush_matched(self, last_hash: bytes) -> bool:
+        """Whether a step has found the running request a flush names."""
+        with self._flush_lock:
+            return last_hash in self._flushing
+
     def forget_flush(self, last_hash: bytes) -> None:
         with self._flush_lock:
             self._flushes.pop(last_hash, None)
+            self._flushing.discard(last_hash)
 
     def _take_flushes(self) -> None:
         """Mark the running requests that migrations asked to have stored."""
@@ -141,11 +148,15 @@ class AioScheduler:
             if not self._flushes:
                 return
             wanted = dict(self._flushes)
+        matched = set()
         for tracker in self._trackers.values():
             hashes = tracker.request.block_hashes
             for last_hash, count in wanted.items():
                 if len(hashes) >= count and hashes[count - 1] == last_hash:
                     tracker.flush_blocks = max(tracker.flush_blocks, count)
+                    matched.add(last_hash)
+        with self._flush_lock:
+            self._flushing |= matched & set(self._flushes)
 
     # ---- lookup ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:

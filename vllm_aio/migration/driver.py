@@ -20,8 +20,14 @@ the request running on the source.
 ``generate_migrating`` drives a whole request: it streams the completion
 from the source, moves its KV after ``migrate_after`` tokens, aborts it on the
 source (closing the stream) and resumes it on the target as prompt + generated
-tokens with the remaining ``max_tokens``; the target computes only the last,
-partial block. The caller sees one coherent generation: the tokens before the
+tokens with the remaining ``max_tokens``. The move waits for a block boundary
+(up to ``block_size - 1`` more tokens on the source): when the sequence is one
+token past a whole block, every token but the newest has its KV in a full
+block that moves, and the target computes one token, just as the source's
+next decode step would have. Moving mid-block would make the target
+recompute the partial block's tokens in one prefill chunk, whose rounding
+differs from the decode steps that computed them on the source; with nearly
+tied logits (a small random model) that alone can flip a greedy token. The caller sees one coherent generation: the tokens before the
 move followed by the continuation. Greedy decoding continues exactly;
 sampling with a seed, penalties counting output tokens, grammars and stop
 strings spanning the move do not (their state is not migrated).
@@ -178,13 +184,16 @@ class Generation:
 def generate_migrating(source: Instance, target: Instance, prompt_token_ids: list[int], max_tokens: int,
                        migrate_after: int, sampling: dict[str, Any] | None = None,
                        on_token: Callable[[int, str], None] | None = None) -> Generation:
-    """Generate ``max_tokens`` tokens, moving the request from ``source`` to ``target`` after ``migrate_after``."""
+    """Generate ``max_tokens`` tokens, moving the request from ``source`` to ``target`` once it has
+    generated at least ``migrate_after`` and reached a block boundary (see the module docstring)."""
     out = Generation([], [], "", None)
+    block_size = source.call("session", {})["block_size"]
     stream = _Completion(source, prompt_token_ids, max_tokens, sampling)
     try:
         for token, logprob, text in stream:
             _add(out, token, logprob, text, on_token)
-            if len(out.token_ids) >= migrate_after and not stream.finished:
+            at_boundary = (len(prompt_token_ids) + len(out.token_ids)) % block_size == 1
+            if len(out.token_ids) >= migrate_after and at_boundary and not stream.finished:
                 break
         if stream.finished:
             return out

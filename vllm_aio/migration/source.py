@@ -29,6 +29,9 @@ from vllm_aio.migration.target import MigrationRefused
 from vllm_aio.pool.keys import BlockParts
 
 _POLL_S = 0.02
+# A running request is found by the next scheduler step (milliseconds); none found
+# within this long means the request finished, or never ran here.
+MATCH_S = 2.0
 
 
 def flush(scheduler: AioScheduler, backend: Backend, hashes: Sequence[bytes], deadline: float,
@@ -40,15 +43,22 @@ def flush(scheduler: AioScheduler, backend: Backend, hashes: Sequence[bytes], de
     if backend.count_complete_blocks(parts, hashes) == len(hashes):
         return len(hashes)
     scheduler.request_flush(hashes[-1], len(hashes))
+    unmatched_until = min(deadline, clock() + MATCH_S)
     try:
         while True:
             have = backend.count_complete_blocks(parts, hashes)
             if have == len(hashes):
                 return have
-            if clock() >= deadline:
+            now = clock()
+            if now >= unmatched_until and not scheduler.flush_matched(hashes[-1]):
                 raise MigrationRefused(
-                    409, f"the source holds {have} of the sequence's {len(hashes)} full blocks and no running "
-                    "request stored the rest in time (finished, preempted, or never run here)"
+                    409, f"the source holds {have} of the sequence's {len(hashes)} full blocks and runs no "
+                    "request holding the rest (it finished, or never ran here)"
+                )
+            if now >= deadline:
+                raise MigrationRefused(
+                    504, f"the source stored {have} of the sequence's {len(hashes)} full blocks within the "
+                    "flush timeout (the pool is failing its puts, or the request was preempted)"
                 )
             time.sleep(_POLL_S)
     finally:

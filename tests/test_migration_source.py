@@ -1,0 +1,71 @@
+"""Unit tests of ``vllm_aio.migration.source.flush``: waiting for a running request's blocks, failing fast."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_aio.migration import source
+from vllm_aio.migration.target import MigrationRefused
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 0.5  # each look at the clock is half a second later
+        return self.now
+
+
+class Scheduler:
+    parts = "parts"
+
+    def __init__(self, matches: bool) -> None:
+        self.matches, self.asked, self.forgotten = matches, [], []
+
+    def request_flush(self, last_hash, count):
+        self.asked.append((last_hash, count))
+
+    def flush_matched(self, last_hash):
+        return self.matches
+
+    def forget_flush(self, last_hash):
+        self.forgotten.append(last_hash)
+
+
+class Backend:
+    def __init__(self, answers: list[int]) -> None:
+        self.answers = answers
+
+    def count_complete_blocks(self, parts, hashes):
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+HASHES = [b"h0", b"h1", b"h2"]
+
+
+def test_flush_returns_at_once_when_every_block_is_stored():
+    sched = Scheduler(matches=False)
+    assert source.flush(sched, Backend([3]), HASHES, deadline=10, clock=Clock()) == 3
+    assert sched.asked == []
+
+
+def test_flush_asks_the_scheduler_and_waits_until_the_blocks_are_stored():
+    sched = Scheduler(matches=True)
+    assert source.flush(sched, Backend([2, 2, 2, 3]), HASHES, deadline=100, clock=Clock()) == 3
+    assert sched.asked == [(b"h2", 3)] and sched.forgotten == [b"h2"]
+
+
+def test_flush_fails_fast_when_no_running_request_holds_the_sequence():
+    sched = Scheduler(matches=False)
+    with pytest.raises(MigrationRefused) as err:
+        source.flush(sched, Backend([2]), HASHES, deadline=100, clock=Clock())
+    assert err.value.status == 409 and "finished" in str(err.value)
+    assert sched.forgotten == [b"h2"]
+
+
+def test_flush_of_a_matched_request_gives_up_at_the_deadline():
+    sched = Scheduler(matches=True)
+    with pytest.raises(MigrationRefused) as err:
+        source.flush(sched, Backend([2]), HASHES, deadline=5, clock=Clock())
+    assert err.value.status == 504
