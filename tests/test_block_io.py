@@ -264,3 +264,17 @@ def test_slots_in_runs_move_by_dma_byte_for_byte(device, monkeypatch):
     assert loaded(loader, wanted[3:] + wanted[:3], EVERY_LAYER) == [Status.OK] * 6
     for n in LAYERS:
         assert torch.equal(dst[n][:, [0, 5, 11, 6, 8, 10]], src[n][:, [3, 7, 1, 2, 9, 4]])
+
+
+def test_renamed_io_keys_saves_and_loads_under_the_new_namespace(device_and_shape):
+    """A new weight version: values stored before stay under the old keys, never loaded after."""
+    device, shape = device_and_shape
+    saver, _, backend = make_io(device, shape, None, seed=1)
+    saver.save(refs([3]), EVERY_LAYER, saver.device.record(), CopyHandoff())
+    old_key = saver.keys(refs([3]), EVERY_LAYER)[0]
+    saver.rename("fedcba9876543210")
+    assert saver.namespace_digest == "fedcba9876543210"
+    assert saver.keys(refs([3]), EVERY_LAYER)[0] == old_key.replace("0123456789abcdef", "fedcba9876543210")
+    assert loaded(saver, refs([5]), EVERY_LAYER) == [Status.MISSING]
+    assert saver.save(refs([3]), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK]
+    assert loaded(saver, refs([5]), EVERY_LAYER) == [Status.OK]
