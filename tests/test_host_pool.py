@@ -17,6 +17,7 @@ import time
 import uuid
 
 import fcntl
+import numpy as np
 import pytest
 
 from vllm_aio.pool import host_pool
@@ -397,6 +398,7 @@ def test_attaching_adopts_the_existing_slot_count(name):
 
 def test_file_that_is_not_a_pool_is_refused(name):
     pool_path(name).write_bytes(b"\0" * 4096)
+    pool_path(name).chmod(0o600)
     try:
         with pytest.raises(RuntimeError, match="not a vllm_aio pool"):
             SharedHostPool(name, SLOT, 4)
@@ -645,3 +647,92 @@ def test_a_block_key_id_does_not_depend_on_the_rest_of_its_batch():
     for i, h in enumerate(hashes):
         alone = value_ids("0123456789abcdef", "pp0.dcp0.h0", None, [h])
         assert (alone.hi[0], alone.lo[0]) == (together.hi[i], together.lo[i])
+
+
+# ---- files another local user may have planted ---------------------------------------
+OTHER_UID = 65534  # nobody
+
+
+def plant(path, data: bytes = b"\0" * 4096, mode: int = 0o666, uid: int | None = None) -> None:
+    path.write_bytes(data)
+    path.chmod(mode)
+    if uid is not None:
+        os.chown(path, uid, uid)
+
+
+def needs_root():
+    if os.geteuid() != 0:
+        pytest.skip("planting a file owned by another uid needs root")
+
+
+def test_created_pool_and_lock_files_are_private_to_this_user(name):
+    pool = SharedHostPool(name, SLOT, 4)
+    try:
+        for path in (pool_path(name), host_pool.lock_path(name)):
+            st = os.stat(path)
+            assert st.st_uid == os.geteuid() and st.st_mode & 0o077 == 0, oct(st.st_mode)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("which", ["pool", "lock"])
+def test_a_file_another_user_planted_is_refused(name, which):
+    needs_root()
+    path = pool_path(name) if which == "pool" else host_pool.lock_path(name)
+    plant(path, mode=0o600, uid=OTHER_UID)
+    try:
+        with pytest.raises(RuntimeError, match=f"owned by uid {OTHER_UID}"):
+            SharedHostPool(name, SLOT, 4)
+        assert path.read_bytes() == b"\0" * 4096  # not written
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_pool_file_readable_by_others_is_refused(name):
+    plant(pool_path(name), mode=0o666)
+    try:
+        with pytest.raises(RuntimeError, match="mode 0666"):
+            SharedHostPool(name, SLOT, 4)
+    finally:
+        pool_path(name).unlink()
+        host_pool.lock_path(name).unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("which", ["pool", "lock"])
+def test_a_symlink_of_our_name_is_not_followed(name, which, tmp_path):
+    path = pool_path(name) if which == "pool" else host_pool.lock_path(name)
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"secret")
+    path.symlink_to(target)
+    try:
+        with pytest.raises(RuntimeError, match="symbolic link"):
+            SharedHostPool(name, SLOT, 4)
+    finally:
+        path.unlink()
+        host_pool.lock_path(name).unlink(missing_ok=True)
+    assert target.read_bytes() == b"secret"
+
+
+def test_a_pool_of_an_older_version_gets_a_clear_error(name):
+    head = np.zeros(16, dtype=np.int64)
+    head[0] = 0x41494F504F4F4C31  # "AIOPOOL1"
+    plant(pool_path(name), head.tobytes() + b"\0" * 4096, mode=0o600)
+    try:
+        with pytest.raises(RuntimeError, match="older vllm_aio version"):
+            SharedHostPool(name, SLOT, 4)
+    finally:
+        pool_path(name).unlink()
+        host_pool.lock_path(name).unlink(missing_ok=True)
+
+
+def test_sweeping_dead_pools_leaves_other_users_files_alone(name, new_name):
+    needs_root()
+    head = np.zeros(16 + 256, dtype=np.int64)
+    head[0], head[16] = host_pool._MAGIC, 2**22 + 12345  # a pool whose only pid is dead
+    theirs = pool_path(new_name())
+    plant(theirs, head.tobytes(), mode=0o600, uid=OTHER_UID)
+    try:
+        SharedHostPool(name, SLOT, 4).close()  # creating a pool sweeps dead ones
+        assert theirs.exists()
+    finally:
+        theirs.unlink()

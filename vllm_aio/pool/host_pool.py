@@ -36,11 +36,13 @@ is vectorised (``benchmarks/scale.py``).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import hashlib
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -55,6 +57,7 @@ SHM_DIR = Path("/dev/shm")
 _PREFIX = "vllm_aio."
 _LOCK_PREFIX = "vllm_aio_lock."
 _MAGIC = 0x41494F504F4F4C32  # "AIOPOOL2": block records added
+_OLD_MAGICS = (0x41494F504F4F4C31,)  # "AIOPOOL1": before block records
 _MAX_PIDS = 256
 _PAGE = 4096
 
@@ -313,7 +316,7 @@ class SharedHostPool:
         """
         path = lock_path(self.name)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = _open_private(path, os.O_RDWR | os.O_CREAT)
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 current = os.stat(path).st_ino == os.fstat(fd).st_ino
@@ -332,15 +335,15 @@ class SharedHostPool:
 
     def _map(self, slot_size: int, num_slots: int) -> bool:
         """Map the pool, creating it if absent; True if created."""
-        created = not self.path.exists()
+        created = not os.path.lexists(self.path)  # a planted symlink is "there", and refused below
         if created:
             _sweep_dead_pools(exclude=self.path)
             layout = _Layout(slot_size, num_slots)
             _check_shm_space(layout.file_bytes)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = _open_private(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             os.ftruncate(fd, layout.file_bytes)
         else:
-            fd = os.open(self.path, os.O_RDWR)
+            fd = _open_private(self.path, os.O_RDWR)
             head = np.frombuffer(os.pread(fd, 8 * _H_FIELDS, 0), dtype=np.int64)
             problem = _attach_problem(self.name, head, slot_size)
             if problem:
@@ -719,7 +722,43 @@ class SharedHostPool:
         return self._data_addr + slot * self.layout.slot_size
 
 
+def _open_private(path: Path, flags: int) -> int:
+    """Open a pool or lock file that only this user can have made or read.
+
+    A name in /dev/shm is shared by every local user: another user could plant
+    a pool file of our name (mode 0666, valid-looking), read every block an
+    instance stores there (KV reveals prompts) and write blocks with valid
+    headers (wrong tokens served). So: no symlink is followed (``O_NOFOLLOW``),
+    and the open descriptor must be a regular file of this effective uid with
+    no group or other permission bits, checked with ``fstat`` on the
+    descriptor itself, not on the path, which could be swapped in between.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RuntimeError(f"{path} is a symbolic link: refusing to follow it (another user may have planted "
+                               "it); remove it or choose another local_pool_name") from None
+        raise
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_uid != os.geteuid():
+        problem = f"is owned by uid {st.st_uid}, not by this instance's uid {os.geteuid()}"
+    elif st.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):04o}: group or other users could read or write it"
+    if problem:
+        os.close(fd)
+        raise RuntimeError(f"{path} {problem}; refusing it (another user may have planted it): remove it, "
+                           "or choose another local_pool_name")
+    return fd
+
+
 def _attach_problem(name: str, head: np.ndarray, slot_size: int) -> str | None:
+    if len(head) >= _H_FIELDS and head[_H_MAGIC] in _OLD_MAGICS:
+        return (f"{pool_path(name)} was left by an older vllm_aio version (another pool layout): "
+                "stop the instances using it, or remove the file")
     if len(head) < _H_FIELDS or head[_H_MAGIC] != _MAGIC:
         return f"{pool_path(name)} is not a vllm_aio pool (or is still being created)"
     if head[_H_SLOT_SIZE] != slot_size:
@@ -747,10 +786,13 @@ def _sweep_dead_pools(exclude: Path) -> None:
         if path == exclude:
             continue
         try:
-            with open(path, "rb") as f:
-                head = np.frombuffer(f.read(8 * (_H_FIELDS + _MAX_PIDS)), dtype=np.int64)
-        except OSError:
+            fd = _open_private(path, os.O_RDONLY)  # only our own pools: never another user's files
+        except (OSError, RuntimeError):
             continue
+        try:
+            head = np.frombuffer(os.pread(fd, 8 * (_H_FIELDS + _MAX_PIDS), 0), dtype=np.int64)
+        finally:
+            os.close(fd)
         if len(head) < _H_FIELDS + _MAX_PIDS or head[_H_MAGIC] != _MAGIC:
             continue
         if not any(_pid_alive(int(p)) for p in head[_H_FIELDS:] if p):
