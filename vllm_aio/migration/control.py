@@ -41,6 +41,7 @@ from vllm_aio.log import get_logger
 from vllm_aio.migration import source
 from vllm_aio.migration.prefix import PrefixHasher
 from vllm_aio.migration.target import MigrationRefused, MigrationTarget
+from vllm_aio.migration.transport import LinkSettings, LinkUnavailableError, PeerLink, TransferError, late_write_bound
 from vllm_aio.pool.entry import HASH_PREFIX_BYTES, HEADER_BYTES, EntryHeader
 from vllm_aio.pool.keys import parse_block_key
 
@@ -63,10 +64,8 @@ class MigrationControl:
         self._store = backend.slots()
         self._target = None
         if self._store is not None:
-            from vllm_aio.migration.transport import late_write_bound
-
             self._target = MigrationTarget(self._store, cfg.migration_watchdog_timeout, late_write_bound())
-        self._link = None  # the TransferEngine, opened by the first call that needs it
+        self._link: PeerLink | None = None  # the TransferEngine, opened by the first call that needs it
         self._ops: dict[str, Callable[[Mapping[str, Any]], dict]] = {
             "session": self.session, "extra_size": self.extra_size, "allocate": self.allocate,
             "flush": self.flush, "transfer": self.transfer, "commit": self.commit, "abort": self.abort,
@@ -188,8 +187,6 @@ class MigrationControl:
             self._store, self._sched.parts, hashes[first:], slots, _int(target, "slot_base", 0, 1 << 62)
         )
         started = time.monotonic()
-        from vllm_aio.migration.transport import TransferError
-
         try:
             sent = self._peer_link().write(_str(target, "session_id"), local, remote,
                                            [self._store.slot_size] * len(local), deadline)
@@ -243,13 +240,14 @@ class MigrationControl:
         if value_size and _int(peer, "slot_size", 1, 1 << 40) != self._store.slot_size:
             raise MigrationRefused(409, f"slot size mismatch: peer {peer['slot_size']}, here {self._store.slot_size}")
 
-    def _peer_link(self):
+    def _peer_link(self) -> PeerLink:
         if self._link is None:
-            from vllm_aio.migration.transport import LinkSettings, PeerLink
-
             settings = LinkSettings(self._cfg.migration_protocol, self._cfg.migration_device_name,
                                     self._cfg.migration_hostname)
-            self._link = PeerLink(settings, self._store.region())
+            try:
+                self._link = PeerLink(settings, self._store.region())
+            except LinkUnavailableError as exc:
+                raise MigrationRefused(503, f"this instance cannot send or receive migrations: {exc}") from None
         return self._link
 
     def close(self) -> None:
