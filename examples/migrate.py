@@ -94,7 +94,7 @@ def main() -> int:
     parser.add_argument("--source", help="URL of a running source instance (default: start two servers)")
     parser.add_argument("--target", help="URL of a running target instance")
     parser.add_argument("--prompt-tokens", type=int, default=1000)
-    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=1000)
     parser.add_argument("--after", type=int, default=40, help="tokens generated on the source before the move")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     args = parser.parse_args()

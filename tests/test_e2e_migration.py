@@ -32,7 +32,7 @@ from vllm_aio.migration.driver import Instance, MigrationError, generate_migrati
 WATCHDOG_S = 6.0
 # The request must still be decoding on the source while its KV moves (one that
 # finished meanwhile is simply returned by the source), so it decodes well past the move.
-MAX_TOKENS, AFTER = 256, 16
+MAX_TOKENS, AFTER = 1024, 16
 NO_EOS = {"ignore_eos": True}
 B_POOL = f"test-mig-b-{uuid.uuid4().hex[:8]}"
 PROMPTS = make_prompts(31, [600, 500, 700, 650, 550])
@@ -137,6 +137,7 @@ def test_corrupted_payload_changes_the_continuation(a, b):
 
 
 def test_weight_version_mismatch_is_rejected_with_a_message(a, b):
+    unmigrated(a, PROMPTS[2])  # A holds the blocks to move
     before = b.call("session", {})["namespace"]
     b.call("weight_version", {"weight_version": "step-2"})
     try:
@@ -199,7 +200,7 @@ def test_allocation_larger_than_the_pool_allows_is_refused(a, b):
 
 def test_example_moves_a_request_between_running_instances(a, b):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "migrate.py"), "--source", a.url, "--target", b.url,
-                           "--prompt-tokens", "450", "--max-tokens", "120", "--after", "16"],
+                           "--prompt-tokens", "450", "--max-tokens", "1000", "--after", "16"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "migrated generation equals the unmigrated one: True" in proc.stdout
@@ -209,7 +210,7 @@ def test_cli_migrate_prints_the_generation_and_the_move(a, b, tmp_path):
     prompt = tmp_path / "prompt.json"
     prompt.write_text(json.dumps(make_prompts(33, [420])[0]))  # greedy: no early EOS for this prompt, every run
     proc = subprocess.run([sys.executable, "-m", "vllm_aio.cli", "migrate", "--source", a.url, "--target", b.url,
-                           "--prompt-token-ids", str(prompt), "--max-tokens", "120", "--after", "8"],
+                           "--prompt-token-ids", str(prompt), "--max-tokens", "1000", "--after", "8"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout)

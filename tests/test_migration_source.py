@@ -20,13 +20,13 @@ class Clock:
 class Scheduler:
     parts = "parts"
 
-    def __init__(self, matches: bool) -> None:
+    def __init__(self, matches: bool | None) -> None:
         self.matches, self.asked, self.forgotten = matches, [], []
 
     def request_flush(self, last_hash, count):
         self.asked.append((last_hash, count))
 
-    def flush_matched(self, last_hash):
+    def flush_state(self, last_hash):
         return self.matches
 
     def forget_flush(self, last_hash):
@@ -58,10 +58,19 @@ def test_flush_asks_the_scheduler_and_waits_until_the_blocks_are_stored():
 
 def test_flush_fails_fast_when_no_running_request_holds_the_sequence():
     sched = Scheduler(matches=False)
+    clock = Clock()
     with pytest.raises(MigrationRefused) as err:
-        source.flush(sched, Backend([2]), HASHES, deadline=100, clock=Clock())
+        source.flush(sched, Backend([2]), HASHES, deadline=100, clock=clock)
     assert err.value.status == 409 and "finished" in str(err.value)
-    assert sched.forgotten == [b"h2"]
+    assert sched.forgotten == [b"h2"] and clock.now < 2
+
+
+def test_flush_on_an_engine_that_runs_no_step_fails_after_the_idle_time():
+    sched = Scheduler(matches=None)
+    clock = Clock()
+    with pytest.raises(MigrationRefused) as err:
+        source.flush(sched, Backend([2]), HASHES, deadline=100, clock=clock)
+    assert err.value.status == 409 and source.IDLE_S <= clock.now < source.IDLE_S + 2
 
 
 def test_flush_of_a_matched_request_gives_up_at_the_deadline():

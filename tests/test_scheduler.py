@@ -251,13 +251,17 @@ def test_flush_saves_the_generated_blocks_of_the_named_running_request():
         r.num_output_tokens = 4
         r.block_hashes.append(block_hash(r.request_id, 2))
     sched.request_flush(req.block_hashes[2], 3)
-    assert not sched.flush_matched(req.block_hashes[2])
+    sched.request_flush(b"not running", 1)
+    assert sched.flush_state(req.block_hashes[2]) is None
     meta = sched.build_connector_meta(
         step(cached=[("a", [3], 11, False), ("b", [7], 11, False)], scheduled={"a": 1, "b": 1}))
     assert [(s.req_id, list(s.block_ids)) for s in meta.saves] == [("a", [3])]
-    assert sched.flush_matched(req.block_hashes[2])
+    assert sched.flush_state(req.block_hashes[2]) is True
+    assert sched.flush_state(b"not running") is None  # one step: not known yet
+    sched.build_connector_meta(step(cached=[("a", [], 12, False), ("b", [], 12, False)], scheduled={"a": 1, "b": 1}))
+    assert sched.flush_state(b"not running") is False
     sched.forget_flush(req.block_hashes[2])
-    assert not sched.flush_matched(req.block_hashes[2])
+    assert sched.flush_state(req.block_hashes[2]) is None
 
 
 def test_weight_version_change_rekeys_lookups_and_metadata():

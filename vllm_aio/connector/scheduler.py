@@ -92,8 +92,10 @@ class AioScheduler:
         # Migrations' flush requests: last block hash -> blocks to store
         # (``request_flush``, from the control thread; taken at the next step).
         self._flush_lock = threading.Lock()
-        self._flushes: dict[bytes, int] = {}
+        self._flushes: dict[bytes, tuple[int, int]] = {}  # -> (blocks, step when asked)
         self._flushing: set[bytes] = set()  # those matched to a running request
+        self._unmatched: set[bytes] = set()  # those no running request held for two steps
+        self._steps = 0  # build_connector_meta calls so far
         # req_id -> latest lookup answer; replaced on every call (idempotent).
         self._plans: dict[str, _LoadPlan] = {}
         # req_id -> what lookups found for it, while it waits; dropped when it
@@ -130,33 +132,43 @@ class AioScheduler:
         ``num_blocks``-th block hash is ``last_hash`` (block hashes are chained, so
         one hash names the whole prefix), generated tokens included."""
         with self._flush_lock:
-            self._flushes[last_hash] = max(num_blocks, self._flushes.get(last_hash, 0))
+            blocks, _ = self._flushes.get(last_hash, (0, 0))
+            self._flushes[last_hash] = (max(num_blocks, blocks), self._steps)
 
-    def flush_matched(self, last_hash: bytes) -> bool:
-        """Whether a step has found the running request a flush names."""
+    def flush_state(self, last_hash: bytes) -> bool | None:
+        """True: a step found the running request a flush names; False: two steps
+        ran without it (it finished, or never ran here); None: not known yet.
+
+        Counted in steps, not seconds: a loaded machine makes steps slow, not rare."""
         with self._flush_lock:
-            return last_hash in self._flushing
+            if last_hash in self._flushing:
+                return True
+            return False if last_hash in self._unmatched else None
 
     def forget_flush(self, last_hash: bytes) -> None:
         with self._flush_lock:
             self._flushes.pop(last_hash, None)
             self._flushing.discard(last_hash)
+            self._unmatched.discard(last_hash)
 
     def _take_flushes(self) -> None:
         """Mark the running requests that migrations asked to have stored."""
         with self._flush_lock:
+            self._steps += 1
             if not self._flushes:
                 return
             wanted = dict(self._flushes)
         matched = set()
         for tracker in self._trackers.values():
             hashes = tracker.request.block_hashes
-            for last_hash, count in wanted.items():
+            for last_hash, (count, _) in wanted.items():
                 if len(hashes) >= count and hashes[count - 1] == last_hash:
                     tracker.flush_blocks = max(tracker.flush_blocks, count)
                     matched.add(last_hash)
         with self._flush_lock:
             self._flushing |= matched & set(self._flushes)
+            self._unmatched |= {h for h, (_, asked) in self._flushes.items()
+                                if h not in self._flushing and self._steps - asked >= 2}
 
     # ---- lookup ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:

@@ -3,11 +3,13 @@
 ``move_kv`` moves the KV of one token sequence (prompt + tokens generated so
 far) from a source instance's pool to a target's, in the protocol's order:
 
-1. ``session`` on both: same namespace (model, dtypes, block size, parallel
+1. ``flush`` on the source: the running request's full blocks, generated ones
+   included, stored in its pool. First, because the request keeps decoding on
+   the source meanwhile: one that finishes before its blocks are stored cannot
+   be moved (the source then simply completes it);
+2. ``session`` on both: same namespace (model, dtypes, block size, parallel
    shape, salt, weight version) and block hash seed, or nothing is reserved;
-2. ``extra_size`` on the target: blocks it has already, blocks it lacks;
-3. ``flush`` on the source: the running request's full blocks, generated ones
-   included, stored in its pool;
+3. ``extra_size`` on the target: blocks it has already, blocks it lacks;
 4. ``allocate`` on the target: slots reserved for the lacking blocks (none
    when both instances share one store: the flush already put them there);
 5. ``transfer`` on the source: peer-to-peer writes into those slots;
@@ -88,7 +90,7 @@ class MoveReport:
     mode: str  # "copy" (peer to peer), "shared" (one store: no bytes moved), "none" (the target had it all)
     migration_id: str | None
     full_blocks: int
-    moved_blocks: int  # blocks the target lacked and now holds
+    moved_blocks: int  # blocks copied into the target's pool (0 through a shared store)
     bytes: int
     matched_tokens: int  # tokens the target's pool holds for the sequence after the commit
     seconds: dict[str, float] = field(default_factory=dict)  # per phase, and "total"
@@ -101,15 +103,17 @@ class MoveReport:
 def move_kv(source: Instance, target: Instance, token_ids: list[int], flush_timeout: float = 30.0) -> MoveReport:
     """Have the target's pool hold every full block of ``token_ids`` that the source computed."""
     clock = _Phases()
+    source.call("flush", {"token_ids": token_ids, "timeout_s": flush_timeout})
+    clock.lap("flush")
     src = source.call("session", {})
     dst = target.call("session", {})
     _check_compatible(src, dst)
     clock.lap("session")
     extra = target.call("extra_size", {"token_ids": token_ids})
-    if extra["lacking_blocks"] == 0:
-        return MoveReport("none", None, extra["full_blocks"], 0, 0, extra["matched_tokens"], clock.done())
-    source.call("flush", {"token_ids": token_ids, "timeout_s": flush_timeout})
-    clock.lap("flush")
+    if extra["lacking_blocks"] == 0:  # one shared store: the flush put them where the target looks
+        shared = src["shared_store"] is not None and src["shared_store"] == dst["shared_store"]
+        return MoveReport("shared" if shared else "none", None, extra["full_blocks"], 0, 0,
+                          extra["matched_tokens"], clock.done())
     allocation = target.call("allocate", {
         "token_ids": token_ids, "namespace": src["namespace"], "hash_seed": src["hash_seed"],
         "shared_store": src["shared_store"], "migration_id": uuid.uuid4().hex,

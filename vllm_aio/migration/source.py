@@ -29,9 +29,9 @@ from vllm_aio.migration.target import MigrationRefused
 from vllm_aio.pool.keys import BlockParts
 
 _POLL_S = 0.02
-# A running request is found by the next scheduler step (milliseconds); none found
-# within this long means the request finished, or never ran here.
-MATCH_S = 2.0
+# A running request is scheduled on every step, so its flush is matched (or not)
+# within two; an engine that runs no step at all for this long runs no request.
+IDLE_S = 5.0
 
 
 def flush(scheduler: AioScheduler, backend: Backend, hashes: Sequence[bytes], deadline: float,
@@ -43,14 +43,15 @@ def flush(scheduler: AioScheduler, backend: Backend, hashes: Sequence[bytes], de
     if backend.count_complete_blocks(parts, hashes) == len(hashes):
         return len(hashes)
     scheduler.request_flush(hashes[-1], len(hashes))
-    unmatched_until = min(deadline, clock() + MATCH_S)
+    idle_until = clock() + IDLE_S
     try:
         while True:
             have = backend.count_complete_blocks(parts, hashes)
             if have == len(hashes):
                 return have
             now = clock()
-            if now >= unmatched_until and not scheduler.flush_matched(hashes[-1]):
+            state = scheduler.flush_state(hashes[-1])
+            if state is False or (state is None and now >= idle_until):
                 raise MigrationRefused(
                     409, f"the source holds {have} of the sequence's {len(hashes)} full blocks and runs no "
                     "request holding the rest (it finished, or never ran here)"
