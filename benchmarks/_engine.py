@@ -47,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MIN_HIT = 0.8  # warm requests must have at least this share of their prompt cached
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 # ---------------------------------------------------------------- the runner (in the engine's process)
@@ -108,6 +109,21 @@ def serve(spec_path: str, result_fd: int) -> None:
 
 class EngineFailed(RuntimeError):
     pass
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    """K and V of one token in every layer, as the model's config.json shapes them."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * DTYPE_BYTES[dtype]
+
+
+def value_bytes(model_dir: Path) -> int:
+    """One pool value as the worker sizes it: the entry header, then one block of every layer."""
+    from vllm_aio.pool.entry import HEADER_BYTES
+
+    return HEADER_BYTES + BLOCK_SIZE * kv_bytes_per_token(model_dir)
 
 
 def make_prompts(seed: int, lengths: list[int], vocab: int = 2048) -> list[list[int]]:

@@ -48,7 +48,6 @@ unless ``--systems`` names more.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -61,8 +60,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _engine import (  # noqa: E402  (benchmarks/ is on sys.path)
-    BLOCK_SIZE, ROOT, EngineFailed, Engines, check_hits, check_loads, chosen, engine_arguments, exit_code,
-    make_prompts, summarize)
+    ROOT, EngineFailed, Engines, check_hits, check_loads, chosen, engine_arguments, exit_code, make_prompts,
+    summarize, value_bytes)
 from _report import arguments, print_markdown, write_results  # noqa: E402
 
 POOL_SIZE = "4GB"
@@ -75,18 +74,6 @@ MODEL_SETTINGS = {
     # 1 GiB holds 32k tokens of the medium model: plenty, and keeps several engines in memory at once.
     "medium": {"kv_gib": 1, "max_model_len": 8192},
 }
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-def value_bytes(model_dir: Path) -> int:
-    """One pool value as the worker sizes it: the entry header, then one block of every layer."""
-    from vllm_aio.pool.entry import HEADER_BYTES
-
-    cfg = json.loads((model_dir / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
-    page = 2 * cfg["num_key_value_heads"] * head_dim * BLOCK_SIZE * DTYPE_BYTES[dtype]  # K and V
-    return HEADER_BYTES + cfg["num_hidden_layers"] * page
 
 
 def aio_config(pool_name: str) -> dict:

@@ -2,7 +2,7 @@
 
 Benchmarks measure, tests do not: this only keeps the scripts from rotting
 (an API they call changed, a size they compute went stale). The two scripts
-that run real vLLM engines take a minute or more, mostly starting engines:
+that run real vLLM engines (and ``migration``, two ``vllm serve``) take a minute or more, mostly starting them:
 they start side by side when the first test runs and their tests wait for
 them, while the others run one at a time meanwhile. Under ``CI`` a missing
 prerequisite fails the test, as ``conftest.require`` does, instead of
@@ -40,8 +40,9 @@ SCRIPTS = {
     "transport": (("mooncake",), "value"),
     "ttft": (("vllm",), "model"),
     "mooncake_ttft": (("vllm", "mooncake"), "model"),
+    "migration": (("vllm", "mooncake"), "model"),
 }
-ENGINE_SCRIPTS = ("ttft", "mooncake_ttft")
+ENGINE_SCRIPTS = ("ttft", "mooncake_ttft", "migration")
 
 
 def missing(needs: tuple[str, ...]) -> str | None:
