@@ -9,13 +9,11 @@ checks that the API server's calls reach it.
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,21 +23,13 @@ import pytest
 import requests
 
 from conftest import ROOT, aio_config, require
+from vllm_aio.devtools.serve import free_port, server_command, stop_server, wait_healthy
 from vllm_aio.migration.channel import MAX_BODY_BYTES, ControlServer, socket_path
 
 API_KEY = "test-key"
 VLLM_PLUGINS = "vllm_aio_buffer_plan,vllm_aio_migration"
 # vLLM's connector factory logs this in each process that builds the connector.
 ENGINE_CORE_ENGINE_ID = re.compile(r"\(EngineCore[^)]*\).*Creating v1 connector .* engine_id: (\S+)")
-
-
-def _load_demo():
-    # The demo's helpers start and stop `vllm serve` the way the demo test does.
-    spec = importlib.util.spec_from_file_location("demo", ROOT / "examples" / "demo.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["demo"] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass
@@ -65,12 +55,11 @@ def _require_entry_point() -> None:
 def server(tiny_model: Path) -> Iterator[Server]:
     require("vllm")
     _require_entry_point()
-    demo = _load_demo()
     # A runtime dir of this module's own: the server's socket path and the test's agree through it.
     runtime_dir = tempfile.mkdtemp(prefix="ep-", dir="/tmp")
-    port = demo.free_port()
+    port = free_port()
     log_path = Path(runtime_dir) / "server.log"
-    cmd = demo.server_command(str(tiny_model)) + [
+    cmd = server_command(str(tiny_model)) + [
         "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
         "--block-size", "32", "--max-model-len", "4096", "--enforce-eager",
         # No engine_id: the test checks that the generated one reaches both processes.
@@ -84,12 +73,12 @@ def server(tiny_model: Path) -> Iterator[Server]:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             base = f"http://127.0.0.1:{port}"
-            demo.wait_healthy(proc, base, log_path, timeout_s=180)
+            wait_healthy(proc, base, log_path, timeout_s=180)
             found = ENGINE_CORE_ENGINE_ID.search(log_path.read_text(errors="replace"))
             assert found, f"no engine_id line from the engine core in {log_path}"
             yield Server(base, found.group(1))
         finally:
-            demo.stop_server(proc)
+            stop_server(proc)
             shutil.rmtree(runtime_dir)
 
 
