@@ -84,6 +84,7 @@ class Engine:
         assert proc.returncode == 0, f"engine failed ({log_path}):\n{self.last_log[-4000:]}"
         result = json.loads(result_path.read_text())
         self.last_preemptions = result["preemptions"]
+        self.last_recomputed_after_preemption = result["recomputed_after_preemption"]
         self.last_counters = result["aio"]
         return result["rounds"]
 

@@ -41,17 +41,40 @@ def run(spec: dict) -> dict:
         kv_transfer_config=spec.get("kv_transfer_config"),
         num_gpu_blocks_override=spec.get("num_gpu_blocks_override"),
         kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes"),
+        scheduling_policy=spec.get("scheduling_policy", "fcfs"),
         disable_log_stats=False,
         seed=0,
     )
+    resumed = _ResumedPrefills()
+    llm.llm_engine.logger_manager.stat_loggers.append(resumed)
     params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0, logprobs=0)
     rounds = []
     for i, prompts in enumerate(spec["rounds"]):
         if i and spec.get("handshake_dir"):
             _handshake(Path(spec["handshake_dir"]), i)
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+        priority = spec["priorities"][i] if spec.get("priorities") else None
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, priority=priority)
         rounds.append([_result(o) for o in outputs])
-    return {"rounds": rounds, "preemptions": _counter(llm, "vllm:num_preemptions"), "aio": _aio_counters(llm)}
+    return {"rounds": rounds, "preemptions": _counter(llm, "vllm:num_preemptions"), "aio": _aio_counters(llm),
+            "recomputed_after_preemption": resumed.recomputed}
+
+
+class _ResumedPrefills:
+    """Tokens vLLM recomputed when it resumed preempted requests, from its own
+    scheduler stats: what neither its prefix cache nor the connector supplied."""
+
+    def __init__(self) -> None:
+        self.recomputed = 0
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0) -> None:
+        if scheduler_stats is None:
+            return
+        # The connector is asked about what the prefix cache missed; without one, that is recomputed.
+        stats = scheduler_stats.connector_prefix_cache_stats or scheduler_stats.prefix_cache_stats
+        self.recomputed += stats.preempted_queries - stats.preempted_hits
+
+    def __getattr__(self, name: str):  # vLLM's other logger hooks: nothing to do
+        return lambda *args, **kwargs: None
 
 
 def _counter(llm, name: str) -> int:

@@ -101,6 +101,7 @@ def step(new=(), cached=(), scheduled=None, finished=(), **extra):
             resumed_req_ids={c[0] for c in cached if c[3]},
         ),
         num_scheduled_tokens=scheduled or {},
+        preempted_req_ids=set(extra.get("preempted", ())),
         new_block_ids_to_zero=extra.get("zero"),
         kv_cache_block_copies=extra.get("copies"),
     )
@@ -285,6 +286,53 @@ def test_resumed_request_saves_into_its_new_blocks():
     sched.build_connector_meta(step(new=[("a", [1, 2, 3, 4], 0)], scheduled={"a": 8}))
     meta = sched.build_connector_meta(step(cached=[("a", [5, 6, 7, 8], 0, True)], scheduled={"a": 16}))
     assert [list(s.block_ids) for s in meta.saves] == [[5, 6, 7, 8]]
+
+
+def _decoded_for_a_while(sched: AioScheduler) -> Req:
+    """Request "a": an 8-token prompt in blocks 1, 2, then 9 generated tokens (blocks 3, 4, 5)."""
+    req = Req("a", 8)
+    sched.update_state_after_alloc(req, blocks([1, 2]), 0)
+    sched.build_connector_meta(step(new=[("a", [1, 2], 0)], scheduled={"a": 8}))
+    for computed, new_block in ((8, [3]), (9, []), (10, []), (11, []), (12, [4]), (13, []), (14, []), (15, []),
+                                (16, [5])):
+        req.num_output_tokens = computed - 7
+        req.block_hashes = [block_hash("a", i) for i in range(req.num_tokens // BS)]
+        sched.build_connector_meta(step(cached=[("a", new_block, computed, False)], scheduled={"a": 1}))
+    return req  # 17 tokens computed: blocks 1-4 full
+
+
+def test_a_preempted_request_has_its_generated_blocks_saved_before_the_step_writes():
+    sched = AioScheduler(deployment(), DictBackend())
+    req = _decoded_for_a_while(sched)
+    meta = sched.build_connector_meta(step(preempted=["a"]))
+    assert meta.saves == []
+    assert [(t.req_id, list(t.block_ids), t.first_index) for t in meta.rescues] == [("a", [3, 4], 2)]
+    assert meta.rescues[0].block_hashes == req.block_hashes[2:4]
+
+
+def test_a_preempted_request_with_every_block_saved_needs_no_rescue():
+    sched = AioScheduler(deployment(decode=True), DictBackend())
+    _decoded_for_a_while(sched)
+    assert sched.build_connector_meta(step(preempted=["a"])).rescues == []
+
+
+def test_preemption_rescues_nothing_where_the_role_does_not_save():
+    sched = AioScheduler(deployment(save=False), DictBackend())
+    _decoded_for_a_while(sched)
+    assert sched.build_connector_meta(step(preempted=["a"])).rescues == []
+
+
+def test_a_resumed_request_loading_its_generated_blocks_is_not_a_second_lookup():
+    backend, dep = DictBackend(), deployment()
+    sched = AioScheduler(dep, backend)
+    req = _decoded_for_a_while(sched)
+    sched.build_connector_meta(step(preempted=["a"]))
+    store(backend, dep, req, 4)
+    n, _ = sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks([6, 7, 8, 9, 10]), n)
+    meta = sched.build_connector_meta(step(cached=[("a", [6, 7, 8, 9, 10], 16, True)], scheduled={"a": 1}))
+    assert [list(t.block_ids) for t in meta.loads] == [[6, 7, 8, 9]]
+    assert (meta.lookups.hit_tokens, meta.lookups.miss_tokens) == (0, 0)
 
 
 def test_role_without_save_plans_no_saves():

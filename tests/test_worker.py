@@ -79,6 +79,22 @@ def test_saved_blocks_load_back_into_other_block_ids_byte_for_byte(make_worker):
         assert torch.equal(dst_caches[name][9:12], src_caches[name][3:6])
 
 
+@pytest.mark.parametrize("options", [{}, {"use_layerwise": True}], ids=["whole_blocks", "layerwise"])
+def test_preempted_blocks_are_out_of_the_cache_when_handle_preemptions_returns(make_worker, options):
+    caches = kv_caches(1)
+    original = {name: t.clone() for name, t in caches.items()}
+    saver, backend = make_worker(caches=caches, **options)
+    saver.handle_preemptions(AioConnectorMetadata(rescues=[transfer([3, 4, 5])]))
+    for t in caches.values():
+        t.zero_()  # what vLLM does next to blocks it hands to another request
+    saver.drain()
+    loaded = kv_caches(2)
+    loader, _ = make_worker(backend=backend, caches=loaded, **options)
+    assert forward(loader, AioConnectorMetadata(loads=[transfer([9, 10, 11])])) == set()
+    for name in LAYERS:
+        assert torch.equal(loaded[name][9:12], original[name][3:6])
+
+
 def test_missing_blocks_are_reported_as_load_errors_once(make_worker, caplog):
     worker, _ = make_worker()
     saved(worker, AioConnectorMetadata(saves=[transfer([1])]))

@@ -79,6 +79,10 @@ class AioConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         self._worker.register_kv_caches(kv_caches, self._num_blocks)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, AioConnectorMetadata)
+        self._worker.handle_preemptions(kv_connector_metadata)
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:

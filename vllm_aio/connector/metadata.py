@@ -72,6 +72,9 @@ class BufferStep:
 class AioConnectorMetadata:
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    # Blocks of requests preempted at this step's scheduling: saved before the
+    # step writes the KV cache, since vLLM may give them to another request now.
+    rescues: list[BlockTransfer] = field(default_factory=list)
     lookups: LookupCounts = field(default_factory=LookupCounts)
     buffer: BufferStep | None = None  # with dynamic_buffer_layers
     # The key namespace of this step's loads and saves: it changes at runtime

@@ -51,6 +51,17 @@ class Saves:
 
     def end_step(self, meta: AioConnectorMetadata) -> None:
         """``wait_for_save``: returns once the step's blocks are out of the cache."""
+        self._wait_copied()
+
+    def rescue(self, transfers: list[BlockTransfer]) -> None:
+        """Every unit of these blocks handed to the sending thread at once; returns
+        once they are out of the cache (vLLM gives them to other requests now)."""
+        batch = self._batch(transfers)
+        for unit in self._units:
+            self._submit(batch, unit)
+        self._wait_copied()
+
+    def _wait_copied(self) -> None:
         deadline = time.monotonic() + self._timeout
         handoffs, self._handoffs = self._handoffs, []
         for handoff in handoffs:

@@ -78,6 +78,8 @@ class _Tracker:
     loaded: tuple[int, int] = (0, 0)
     # Blocks a migration asked to have stored, generated ones included (``flush``).
     flush_blocks: int = 0
+    # Tokens whose KV the steps scheduled so far computed: what a preemption can save.
+    computed_tokens: int = 0
 
 
 class AioScheduler:
@@ -225,20 +227,23 @@ class AioScheduler:
         )
         tracker.loaded = (first, last)
         self._claims[req_id] = _Claim(list(block_ids[first:last]), first * bs, plan.local_tokens + num_external_tokens)
-        self._lookups.hit_tokens += num_external_tokens
-        self._lookups.miss_tokens += prompt_tokens - plan.local_tokens - num_external_tokens
+        if not known:  # the prompt's lookup; a resumed request's (generated tokens too) is not one
+            self._lookups.hit_tokens += num_external_tokens
+            self._lookups.miss_tokens += prompt_tokens - plan.local_tokens - num_external_tokens
 
     # ---- per step --------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> AioConnectorMetadata:
         for req_id in scheduler_output.finished_req_ids:
             self._trackers.pop(req_id, None)
             self._claims.pop(req_id, None)
-        loading = {t.req_id for t in self._pending_loads}
-        for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids - loading:
-            self._claims.pop(req_id, None)  # preempted since: its old blocks may be another's now
         meta = AioConnectorMetadata(
             loads=self._pending_loads, lookups=self._lookups, namespace_digest=self.parts.namespace_digest
         )
+        for req_id in scheduler_output.preempted_req_ids or ():
+            self._plan_rescue(meta, req_id)  # first: it may be resumed in this same step
+        loading = {t.req_id for t in self._pending_loads}
+        for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids - loading:
+            self._claims.pop(req_id, None)  # preempted since: its old blocks may be another's now
         self._pending_loads, self._lookups = [], LookupCounts()
         scheduled: list[tuple[_Tracker, int]] = []  # with their computed tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -259,6 +264,7 @@ class AioScheduler:
         self._take_flushes()
         for tracker, computed in scheduled:
             self._plan_save(meta, tracker, computed, scheduler_output)
+            tracker.computed_tokens = computed + scheduler_output.num_scheduled_tokens[tracker.request.request_id]
         if self._dep.buffer_layers:
             meta.buffer = self._buffer_step(scheduled, scheduler_output)
         return meta
@@ -310,17 +316,36 @@ class AioScheduler:
         wanted = done_tokens
         if not self._dep.save_decode_cache:  # a migration's flush stores generated blocks too
             wanted = min(done_tokens, max(request.num_prompt_tokens, tracker.flush_blocks * bs))
-        full = min(wanted // bs, len(request.block_hashes), len(tracker.block_ids))
+        meta.saves.extend(self._unsaved(tracker, wanted // bs))
+
+    def _plan_rescue(self, meta: AioConnectorMetadata, req_id: str) -> None:
+        """Save a preempted request's full blocks, generated ones included, so
+        that its resumption loads them instead of recomputing.
+
+        vLLM has freed its blocks already and may hand them to another request
+        in this very step, so these are not ordinary saves: the worker copies
+        them out before the step writes anything (``handle_preemptions``).
+        """
+        tracker = self._trackers.get(req_id)
+        if tracker is None or not self._dep.save_enabled:
+            return
+        meta.rescues.extend(self._unsaved(tracker, tracker.computed_tokens // self._dep.block_size))
+
+    def _unsaved(self, tracker: _Tracker, full: int) -> list[BlockTransfer]:
+        """Transfers of the request's blocks up to ``full`` not handed to a save
+        yet, less those loaded from the pool (stored there already)."""
+        request = tracker.request
+        full = min(full, len(request.block_hashes), len(tracker.block_ids))
         start = tracker.num_saved_blocks
         if full <= start:
-            return
-        skip_start, skip_end = tracker.loaded
-        for lo, hi in ((start, min(full, skip_start)), (max(start, skip_end), full)):
-            if lo < hi:
-                meta.saves.append(
-                    BlockTransfer.of(request.request_id, tracker.block_ids[lo:hi], request.block_hashes[lo:hi], lo)
-                )
+            return []
         tracker.num_saved_blocks = full
+        skip_start, skip_end = tracker.loaded
+        return [
+            BlockTransfer.of(request.request_id, tracker.block_ids[lo:hi], request.block_hashes[lo:hi], lo)
+            for lo, hi in ((start, min(full, skip_start)), (max(start, skip_end), full))
+            if lo < hi
+        ]
 
     def update_connector_output(self, invalid_block_ids: set[int]) -> None:
         """Count the hit tokens that the pool promised and the workers could not load.

@@ -10,7 +10,8 @@ cache is registered, by choosing three participants:
   each layer right after its attention;
 * the dynamic buffer's hooks (``layer_buffer.py``), or none.
 
-vLLM's hooks per step, in order: ``bind_connector_metadata`` (``begin_step``:
+vLLM's hooks per step, in order: ``handle_preemptions`` (blocks of requests
+preempted at this step's scheduling copied out), ``bind_connector_metadata`` (``begin_step``:
 loads that the buffer needs, then the buffer's first layers),
 ``start_load_kv``, per layer ``wait_for_layer_load`` and ``save_kv_layer``,
 ``wait_for_save`` (the buffer's write-backs, then saves copied out of the
@@ -106,6 +107,12 @@ class AioWorker:
         return WholeBlockSaves(*common)
 
     # ---- vLLM's hooks, in step order -------------------------------------------
+    def handle_preemptions(self, meta: AioConnectorMetadata) -> None:
+        """First in the step, before vLLM zeroes or writes any block: the blocks of
+        requests preempted at its scheduling are copied out (they may be another's now)."""
+        if meta.rescues:
+            self._saves.rescue(meta.rescues)
+
     def begin_step(self, meta: AioConnectorMetadata) -> None:
         """Before every forward (vLLM binds the metadata), unlike ``start_load_kv``."""
         if meta.namespace_digest and meta.namespace_digest != self._io.namespace_digest:
