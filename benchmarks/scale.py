@@ -78,6 +78,7 @@ class Request:
     num_prompt_tokens: int
     block_hashes: list[bytes]
     num_output_tokens: int = 0
+    priority: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -157,6 +158,7 @@ def admit(sched: AioScheduler, req: Request) -> object:
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
                                               resumed_req_ids=set()),
         num_scheduled_tokens={req.request_id: req.num_tokens - hit},
+        preempted_req_ids=None,
     )
     meta = sched.build_connector_meta(out)
     sched.request_finished(req, block_ids)

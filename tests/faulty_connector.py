@@ -58,9 +58,9 @@ class _FaultyBackend:
                 _evict_one(self.inner.pool)
         return found
 
-    def batch_put(self, keys, segments):
+    def batch_put(self, keys, segments, retention=0):
         self._down()
-        return self.inner.batch_put(keys, segments)
+        return self.inner.batch_put(keys, segments, retention)
 
     def slots(self):
         inner = self.inner.slots()

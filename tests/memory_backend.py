@@ -30,7 +30,7 @@ class MemoryBackend(Backend):
         with self._lock:
             return [key in self.values for key in keys]
 
-    def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+    def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], retention: int = 0) -> list[Status]:
         self._check_open()
         return distinct_only(self._put, keys, segments, self.value_bytes, Status.ERROR)
 

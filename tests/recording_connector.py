@@ -29,15 +29,15 @@ class _Recorder:
 
 
 class _RecordingSlots(_Recorder):
-    def reserve(self, keys: Sequence[str]) -> Any:
+    def reserve(self, keys: Sequence[str], retention: int = 0) -> Any:
         self._record(keys)
-        return self.inner.reserve(keys)
+        return self.inner.reserve(keys, retention)
 
 
 class _RecordingBackend(_Recorder):
-    def batch_put(self, keys: Sequence[str], segments: Sequence[Any]) -> Any:
+    def batch_put(self, keys: Sequence[str], segments: Sequence[Any], retention: int = 0) -> Any:
         self._record(keys)
-        return self.inner.batch_put(keys, segments)
+        return self.inner.batch_put(keys, segments, retention)
 
     def slots(self) -> Any:
         inner = self.inner.slots()

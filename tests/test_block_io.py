@@ -170,9 +170,9 @@ class DistinctKeysOnly(LocalBackend):
         assert len(set(keys)) == len(keys), "a key repeated within one get batch"
         return super().batch_get(keys, segments)
 
-    def batch_put(self, keys, segments):
+    def batch_put(self, keys, segments, retention=0):
         assert len(set(keys)) == len(keys), "a key repeated within one put batch"
-        return super().batch_put(keys, segments)
+        return super().batch_put(keys, segments, retention)
 
 
 def shared_prefix_refs(block_ids, hashes):

@@ -106,11 +106,24 @@ def test_several_unknown_keys_are_all_named():
         ("salt", 5),
         ("backend", ["local"]),
         ("local_pool_name", 7),
+        ("priority_cutoffs", 0),
+        ("priority_cutoffs", [0, "1"]),
+        ("priority_cutoffs", [True]),
     ],
 )
 def test_wrong_type_fails_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=rf"^{key}: expected"):
         parse({key: value})
+
+
+@pytest.mark.parametrize("cutoffs", [[1, 0], [0, 0], list(range(8))])
+def test_priority_cutoffs_out_of_order_repeated_or_too_many_fail_naming_the_key(cutoffs):
+    with pytest.raises(ConfigError, match=r"^priority_cutoffs: expected up to 7 distinct integers in increasing"):
+        parse({"priority_cutoffs": cutoffs})
+
+
+def test_priority_cutoffs_become_a_tuple():
+    assert parse({"priority_cutoffs": [-1, 0]}).priority_cutoffs == (-1, 0)
 
 
 def test_local_pool_name_accepts_null():

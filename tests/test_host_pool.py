@@ -237,6 +237,34 @@ def test_evicted_slots_are_handed_out_in_slot_order(name):
         pool.close()
 
 
+def test_eviction_takes_the_lowest_retention_class_first_and_lru_within_it(name):
+    pool = SharedHostPool(name, SLOT, 4)
+    try:
+        assert pool.commit(pool.reserve(["high1", "high2"], retention=1)) == [True, True]
+        assert pool.commit(pool.reserve(["low1", "low2"])) == [True, True]
+        pool.contains(["low2", "low1"])  # the low-class keys are now the most recently used
+        for key in ("x", "y"):
+            assert store(pool, key, value(key)) is True
+        assert pool.contains(["high1", "high2", "low1", "low2", "x", "y"]) == [True, True, False, False, True, True]
+        assert store(pool, "z", value("z")) is True  # only class 0 is evicted while there is some: x
+        assert pool.contains(["high1", "high2", "x", "y", "z"]) == [True, True, False, True, True]
+    finally:
+        pool.close()
+
+
+def test_a_key_stored_again_by_a_higher_class_is_kept_at_the_higher_class(name):
+    pool = SharedHostPool(name, SLOT, 2)
+    try:
+        assert store(pool, "shared", value("s")) is True
+        assert pool.reserve(["shared"], retention=2) == [None]  # already stored: its class rises
+        assert pool.reserve(["shared"], retention=0) == [None]  # and never falls
+        for key in ("a", "b", "c"):
+            assert store(pool, key, value(key)) is True
+        assert pool.contains(["shared"]) == [True]
+    finally:
+        pool.close()
+
+
 def test_abandoned_slot_is_reused_before_any_eviction(name):
     pool = SharedHostPool(name, SLOT, 2)
     try:

@@ -44,6 +44,7 @@ class Request:
     block_hashes: list[bytes] = field(
         default_factory=lambda: [hashlib.sha256(f"prompt-{i}".encode()).digest() for i in range(PROMPT_BLOCKS)]
     )
+    priority: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +60,7 @@ def scheduler_output(new: tuple[str, list[int], int, int] | None = None):
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
                                               resumed_req_ids=set()),
         num_scheduled_tokens={new[0]: new[3]} if new else {},
+        preempted_req_ids=None,
     )
 
 

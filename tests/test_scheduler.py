@@ -3,6 +3,7 @@ request and scheduler-output objects (the end-to-end tests use the real ones).""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -27,7 +28,7 @@ class DictBackend(Backend):
         self.exists_calls += 1
         return [k in self.keys for k in keys]
 
-    def batch_put(self, keys, segments):
+    def batch_put(self, keys, segments, retention=0):
         self.keys.update(keys)
         return [Status.OK] * len(keys)
 
@@ -49,6 +50,7 @@ class Req:
     num_prompt_tokens: int
     num_output_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         self.block_hashes = [block_hash(self.request_id, i) for i in range(self.num_tokens // BS)]
@@ -333,6 +335,16 @@ def test_a_resumed_request_loading_its_generated_blocks_is_not_a_second_lookup()
     meta = sched.build_connector_meta(step(cached=[("a", [6, 7, 8, 9, 10], 16, True)], scheduled={"a": 1}))
     assert [list(t.block_ids) for t in meta.loads] == [[6, 7, 8, 9]]
     assert (meta.lookups.hit_tokens, meta.lookups.miss_tokens) == (0, 0)
+
+
+def test_saves_carry_the_retention_class_of_the_request_priority():
+    dep = dataclasses.replace(deployment(), priority_cutoffs=(-1, 0))
+    sched = AioScheduler(dep, DictBackend())
+    for req_id, priority in (("urgent", -5), ("normal", 0), ("batch", 3)):
+        req = Req(req_id, 8, priority=priority)
+        sched.update_state_after_alloc(req, blocks([1, 2]), 0)
+        meta = sched.build_connector_meta(step(new=[(req_id, [1, 2], 0)], scheduled={req_id: 8}))
+        assert [t.retention for t in meta.saves] == [{"urgent": 2, "normal": 1, "batch": 0}[req_id]]
 
 
 def test_role_without_save_plans_no_saves():

@@ -95,6 +95,27 @@ def test_preempted_blocks_are_out_of_the_cache_when_handle_preemptions_returns(m
         assert torch.equal(loaded[name][9:12], original[name][3:6])
 
 
+class _RetentionRecorder(LocalBackend):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.puts: list[tuple[int, int]] = []  # (keys, retention) per batch_put
+
+    def slots(self):  # values through batch_put, which records them
+        return None
+
+    def batch_put(self, keys, segments, retention=0):
+        self.puts.append((len(keys), retention))
+        return super().batch_put(keys, segments, retention)
+
+
+def test_a_step_saves_each_retention_class_as_a_batch_of_its_own(make_worker):
+    backend = _RetentionRecorder(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, VALUE_BYTES, seal=True)
+    worker, _ = make_worker(backend=backend)
+    urgent = BlockTransfer.of("u", [1, 2], [b"u0", b"u1"], 0, retention=1)
+    saved(worker, AioConnectorMetadata(saves=[transfer([3, 4, 5]), urgent]))
+    assert sorted(backend.puts) == [(2, 1), (3, 0)]
+
+
 def test_missing_blocks_are_reported_as_load_errors_once(make_worker, caplog):
     worker, _ = make_worker()
     saved(worker, AioConnectorMetadata(saves=[transfer([1])]))
@@ -112,7 +133,7 @@ class _RaisingBackend(LocalBackend):
     def batch_get(self, keys, segments):
         raise ConnectionError("pool gone")
 
-    def batch_put(self, keys, segments):
+    def batch_put(self, keys, segments, retention=0):
         raise ConnectionError("pool gone")
 
 
@@ -261,9 +282,9 @@ class _GatedBackend(LocalBackend):
         self.release_gets.wait()
         return super().batch_get(keys, segments)
 
-    def batch_put(self, keys, segments):
+    def batch_put(self, keys, segments, retention=0):
         self.started[("put", _layer(keys))].set()
-        return super().batch_put(keys, segments)
+        return super().batch_put(keys, segments, retention)
 
 
 def _layer(keys) -> int:

@@ -67,6 +67,12 @@ class AioConfig:
     migration_device_name: str = ""
     # The address peers reach this host's transfer engine at ("": this host's name).
     migration_hostname: str = ""
+    # Retention classes by vLLM request priority (lower is more important):
+    # a request whose priority is at or below k of these values saves its
+    # blocks in class k, and the pool evicts lower classes first (embedded
+    # pool: lowest class first, LRU within; Mooncake: classes >= 1 soft-pinned).
+    # Empty: one class, plain LRU.
+    priority_cutoffs: tuple[int, ...] = ()
     # Store and load each layer as a value of its own, overlapping the
     # transfers with the forward layer by layer (keys differ: see pool/keys.py).
     use_layerwise: bool = False
@@ -123,6 +129,11 @@ class AioConfig:
             raise ConfigError(
                 f"migration_watchdog_timeout: expected seconds > 0, got {self.migration_watchdog_timeout}"
             )
+        if list(self.priority_cutoffs) != sorted(set(self.priority_cutoffs)) or len(self.priority_cutoffs) > 7:
+            raise ConfigError(
+                f"priority_cutoffs: expected up to 7 distinct integers in increasing order, "
+                f"got {list(self.priority_cutoffs)}"
+            )
         if self.migration_protocol not in MIGRATION_PROTOCOLS:
             raise ConfigError(
                 f"migration_protocol: expected one of {', '.join(MIGRATION_PROTOCOLS)}, "
@@ -152,6 +163,10 @@ def _check_type(key: str, value: Any, field: dataclasses.Field) -> Any:
     elif expected == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
+    elif expected == "tuple[int, ...]":
+        if not isinstance(value, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise ConfigError(f"{key}: expected a list of integers, got {value!r}")
+        value = tuple(value)
     return value
 
 

@@ -116,9 +116,16 @@ class Backend(ABC):
 
     @abstractmethod
     def batch_put(
-        self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]
+        self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], retention: int = 0
     ) -> list[Status]:
-        """Store each key's value, gathered from its segments in order."""
+        """Store each key's value, gathered from its segments in order.
+
+        ``retention``: the retention class of the requests that stored them
+        (0: the lowest; from vLLM priorities, ``priority_cutoffs``). A store
+        that can keep some values longer does so for higher classes (the
+        embedded pool evicts the lowest class first; Mooncake soft-pins class
+        1 and above); others store them like any value.
+        """
 
     @abstractmethod
     def batch_get(
@@ -195,8 +202,9 @@ class SlotStore(Protocol):
     def unchanged(self, slots, versions):
         """``still_valid`` of many pins at once: a boolean array."""
 
-    def reserve(self, keys: Sequence[str]) -> list[int | None]:
-        """Per key: a slot to fill, None if already stored, -1 if there is no room."""
+    def reserve(self, keys: Sequence[str], retention: int = 0) -> list[int | None]:
+        """Per key: a slot to fill, None if already stored, -1 if there is no room
+        (``retention`` as for ``Backend.batch_put``)."""
 
     def commit(self, slots: Sequence[int]) -> list[bool]:
         """Publish filled slots; False where another writer stored the key first."""

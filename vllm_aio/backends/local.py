@@ -19,6 +19,7 @@ batch.
 
 from __future__ import annotations
 
+import functools
 import socket
 from collections.abc import Sequence
 
@@ -65,17 +66,17 @@ class LocalBackend(Backend):
         self._check_open()
         return self.pool.usage().evictions  # values leave this pool only by eviction
 
-    def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+    def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], retention: int = 0) -> list[Status]:
         self._check_open()
-        return distinct_only(self._put_distinct, keys, segments)
+        return distinct_only(functools.partial(self._put_distinct, retention=retention), keys, segments)
 
-    def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+    def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], retention: int) -> list[Status]:
         values = FlatSegments.of(segments)
         fits = (values.totals() == self.pool.slot_size).tolist()
         out: list[Status] = []
         filled: list[int] = []  # slots copied into, published by commit
         positions: list[int] = []  # their positions in `keys`
-        for i, slot in enumerate(self.pool.reserve(keys)):
+        for i, slot in enumerate(self.pool.reserve(keys, retention)):
             if slot is None:
                 out.append(Status.EXISTS)
             elif slot < 0:

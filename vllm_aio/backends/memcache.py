@@ -256,7 +256,8 @@ class MemcacheBackend(Backend):
         """One probe key per block (``remote.count_by_probes``), one round trip per 8,192 blocks."""
         return count_by_probes(self.batch_exists, parts, hashes)
 
-    def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+    def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], retention: int = 0) -> list[Status]:
+        # Memcache's client has no per-value eviction priority: every class is stored alike.
         return distinct_only(self._put_distinct, keys, segments, self._value_bytes, Status.ERROR)
 
     def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:

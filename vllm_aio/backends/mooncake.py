@@ -37,6 +37,7 @@ What this module adds over the raw client, each learned the hard way:
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 import time
@@ -91,6 +92,15 @@ def import_store() -> type:
             "(on Debian/Ubuntu it also needs: apt-get install libibverbs1 librdmacm1 libnuma1)"
         ) from e
     return MooncakeDistributedStore
+
+
+def _replicate_configs() -> tuple[Any, Any]:
+    """(plain, soft-pinned) put configs."""
+    from mooncake.store import ReplicateConfig, SoftPinAction
+
+    pinned = ReplicateConfig()
+    pinned.soft_pin_action = SoftPinAction.ENABLE
+    return ReplicateConfig(), pinned
 
 
 @contextmanager
@@ -151,6 +161,10 @@ class MooncakeBackend(Backend):
         self._regions = Regions()  # guarded by _reg_lock
         self._reg_lock = threading.Lock()
         self._store = self._setup(store_factory or import_store(), connect_timeout)
+        # Retention class 0 is stored plainly; higher classes soft-pinned: the
+        # master evicts them only after every unpinned value (for the soft-pin
+        # TTL, mooncake_master --default_kv_soft_pin_ttl, 30 min by default).
+        self._unpinned, self._pinned = _replicate_configs()
         self._multi = hasattr(self._store, "batch_put_from_multi_buffers")
         # Mean segment size below which batches are staged (tcp only: RDMA
         # scatter-gather does not pay per segment the way tcp slices do).
@@ -220,17 +234,20 @@ class MooncakeBackend(Backend):
         """One probe key per block (``remote.count_by_probes``), one round trip per 8,192 blocks."""
         return count_by_probes(self.batch_exists, parts, hashes)
 
-    def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
-        return distinct_only(self._put_distinct, self._scoped(keys), segments, self._value_bytes, Status.ERROR)
+    def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], retention: int = 0) -> list[Status]:
+        put = functools.partial(self._put_distinct, config=self._pinned if retention > 0 else self._unpinned)
+        return distinct_only(put, self._scoped(keys), segments, self._value_bytes, Status.ERROR)
 
-    def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+    def _put_distinct(
+        self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], config: Any
+    ) -> list[Status]:
         path = self._path(segments)
         if path == "multi":
-            codes = self._call(len(keys), lambda idx: self._put_multi(keys, segments, idx))
+            codes = self._call(len(keys), lambda idx: self._put_multi(keys, segments, idx, config))
         elif path == "single":
-            codes = self._call(len(keys), lambda idx: self._put_single(keys, segments, idx))
+            codes = self._call(len(keys), lambda idx: self._put_single(keys, segments, idx, config))
         else:
-            codes = self._call(len(keys), lambda idx: self._staging_for().put(keys, segments, idx))
+            codes = self._call(len(keys), lambda idx: self._staging_for().put(keys, segments, idx, config))
         return [put_status(c) for c in codes]
 
     def batch_get(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
@@ -282,17 +299,21 @@ class MooncakeBackend(Backend):
         small = sum(totals) < count * self._stage_below and max(totals) <= STAGING_SIZE
         return "multi" if self._multi and not small else "staged"
 
-    def _put_multi(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], idx: list[int]) -> list[int]:
+    def _put_multi(
+        self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], idx: list[int], config: Any
+    ) -> list[int]:
         ptrs, sizes = _columns(segments, idx)
-        return self._store.batch_put_from_multi_buffers([keys[i] for i in idx], ptrs, sizes)
+        return self._store.batch_put_from_multi_buffers([keys[i] for i in idx], ptrs, sizes, config)
 
     def _get_multi(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], idx: list[int]) -> list[int]:
         ptrs, sizes = _columns(segments, idx)
         return self._store.batch_get_into_multi_buffers([keys[i] for i in idx], ptrs, sizes)
 
-    def _put_single(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], idx: list[int]) -> list[int]:
+    def _put_single(
+        self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], idx: list[int], config: Any
+    ) -> list[int]:
         return self._store.batch_put_from(
-            [keys[i] for i in idx], [segments[i][0][0] for i in idx], [segments[i][0][1] for i in idx]
+            [keys[i] for i in idx], [segments[i][0][0] for i in idx], [segments[i][0][1] for i in idx], config
         )
 
     def _get_single(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], idx: list[int]) -> list[int]:
@@ -350,12 +371,14 @@ class _Staging:
         self._lock = threading.Lock()
         backend.register_memory(self._base, size)
 
-    def put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], idx: list[int]) -> list[int]:
+    def put(
+        self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], idx: list[int], config: Any
+    ) -> list[int]:
         def transfer(rnd: list[int], offsets: list[int]) -> list[int]:
             for i, off in zip(rnd, offsets):
                 gather(segments[i], self._base + off)
             return self._store.batch_put_from(
-                [keys[i] for i in rnd], [self._base + o for o in offsets], [total(segments[i]) for i in rnd]
+                [keys[i] for i in rnd], [self._base + o for o in offsets], [total(segments[i]) for i in rnd], config
             )
 
         return self._rounds(segments, idx, transfer)

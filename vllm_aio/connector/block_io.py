@@ -76,6 +76,7 @@ class Batch:
 
     blocks: list[BlockRef]
     req_ids: list[str]
+    retention: int = 0  # of the requests saving them (``Backend.batch_put``)
 
 
 @dataclass
@@ -308,7 +309,8 @@ class BlockIO:
 
     # ---- saves -------------------------------------------------------------
     def save(
-        self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, handoff: CopyHandoff
+        self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, handoff: CopyHandoff,
+        retention: int = 0,
     ) -> list[Status]:
         """KV cache -> staging (then ``handoff``) -> pool, one value per key.
 
@@ -319,11 +321,12 @@ class BlockIO:
         """
         batch = DistinctBlocks(blocks)
         save = self._save_direct if self._direct is not None else self._save_distinct
-        statuses = save(batch.firsts, unit, computed, handoff)
+        statuses = save(batch.firsts, unit, computed, handoff, retention)
         return batch.spread(statuses, repeat=lambda s: Status.EXISTS if s.stored else s)
 
     def _save_distinct(
-        self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, handoff: CopyHandoff
+        self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, handoff: CopyHandoff,
+        retention: int,
     ) -> list[Status]:
         """``save`` of blocks with distinct keys.
 
@@ -336,7 +339,7 @@ class BlockIO:
         chunks = _chunks(len(blocks), self.value_bytes(unit))
         try:
             for start, end in chunks:
-                piece = self._save_slice((end - start) * self.value_bytes(unit), pending, statuses, handoff)
+                piece = self._save_slice((end - start) * self.value_bytes(unit), pending, statuses, handoff, retention)
                 if piece is None or not handoff.held():
                     if piece is not None:
                         self._saves.release(piece)
@@ -348,11 +351,12 @@ class BlockIO:
         finally:
             keep = handoff.copied()
         while pending:
-            statuses += self._put(pending.popleft(), keep)
+            statuses += self._put(pending.popleft(), keep, retention)
         return statuses + [Status.NO_SPACE if keep else Status.ERROR] * (len(blocks) - len(statuses))
 
     def _save_direct(
-        self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, handoff: CopyHandoff
+        self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, handoff: CopyHandoff,
+        retention: int,
     ) -> list[Status]:
         """``save`` of distinct blocks straight into reserved pool slots (``mapped_slots.py``).
 
@@ -369,7 +373,7 @@ class BlockIO:
                     if not handoff.held():
                         break
                     chunk = blocks[start:end]
-                    slots = self._direct.reserve(self.keys(chunk, unit))
+                    slots = self._direct.reserve(self.keys(chunk, unit), retention)
                     statuses += [Status.EXISTS if s is None else Status.NO_SPACE for s in slots]
                     fill = [i for i, s in enumerate(slots) if s is not None and s >= 0]
                     if fill:
@@ -394,13 +398,13 @@ class BlockIO:
         return statuses + [Status.ERROR] * (len(blocks) - len(statuses))
 
     def _save_slice(
-        self, nbytes: int, pending: deque["_Copied"], statuses: list[Status], handoff: CopyHandoff
+        self, nbytes: int, pending: deque["_Copied"], statuses: list[Status], handoff: CopyHandoff, retention: int
     ) -> Slice | None:
         """Staging for the next chunk; puts earlier chunks of this save to make room."""
         while (piece := self._saves.allocate(nbytes, 0)) is None and pending:
             oldest = pending.popleft()
             self.device.synchronize(oldest.gathered)
-            statuses += self._put(oldest, handoff.held())
+            statuses += self._put(oldest, handoff.held(), retention)
         return piece or self._saves.allocate(nbytes, self._timeout)
 
     def _copy_out(
@@ -419,7 +423,7 @@ class BlockIO:
             rows.copy_(scratch, non_blocking=True)
             return _Copied(blocks, unit, piece, gathered, self.device.record(self._stream))
 
-    def _put(self, chunk: "_Copied", keep: bool) -> list[Status]:
+    def _put(self, chunk: "_Copied", keep: bool, retention: int) -> list[Status]:
         """Pool put of one copied chunk, unless its copy may be torn (``keep`` False)."""
         n = len(chunk.blocks)
         try:
@@ -431,7 +435,7 @@ class BlockIO:
             rows[:, :HEADER_BYTES] = torch.frombuffer(headers, dtype=torch.uint8).view(n, HEADER_BYTES)
             value = rows.shape[1]
             segments = [[(chunk.piece.address + i * value, value)] for i in range(n)]
-            return self._backend.batch_put(self.keys(chunk.blocks, chunk.unit), segments)
+            return self._backend.batch_put(self.keys(chunk.blocks, chunk.unit), segments, retention)
         finally:
             self._saves.release(chunk.piece)
 

@@ -39,6 +39,11 @@ class Deployment:
     pool_name: str  # the embedded pool's name unless local_pool_name is set: private to this engine
     num_kv_heads: int  # in the whole model (MLA: see use_mla)
     use_mla: bool
+    priority_cutoffs: tuple[int, ...] = ()  # AioConfig.priority_cutoffs
+
+    def retention_of(self, priority: int) -> int:
+        """The retention class of a request's saves: how many cutoffs its vLLM priority is at or below."""
+        return sum(priority <= cutoff for cutoff in self.priority_cutoffs)
 
     def units(self) -> list[Unit]:
         """The layer sets stored as one value each, in layer order."""
@@ -106,6 +111,7 @@ def build_deployment(
         pool_name=f"engine-{vllm_config.kv_transfer_config.engine_id}",
         num_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
         use_mla=bool(vllm_config.model_config.use_mla),
+        priority_cutoffs=cfg.priority_cutoffs,
     )
 
 

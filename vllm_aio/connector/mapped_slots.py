@@ -149,9 +149,9 @@ class MappedSlots:
         return statuses, SlotLoad(ok, slots[ok], versions[ok], done)
 
     # ---- saves -------------------------------------------------------------
-    def reserve(self, keys: Sequence[str]) -> list[int | None]:
+    def reserve(self, keys: Sequence[str], retention: int = 0) -> list[int | None]:
         """Per key: a slot to fill, None if stored already, -1 if the pool has no room."""
-        return self.store.reserve(keys)
+        return self.store.reserve(keys, retention)
 
     def copy_out(self, block_ids: Sequence[int], slots: Sequence[int], layers: Sequence[int]) -> torch.Event | None:
         """Cache blocks -> their reserved slots' payloads, on the current stream.

@@ -27,14 +27,18 @@ class BlockTransfer:
     block_ids: array  # of "i": vLLM block ids (the request's only KV cache group)
     hashes: bytes  # vLLM's chained hash of each block, concatenated in the same order
     first_index: int  # position of block_ids[0] in the request: decides its owner rank
+    retention: int = 0  # saves: the request's retention class (from its priority, ``priority_cutoffs``)
 
     @classmethod
-    def of(cls, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes], first_index: int) -> BlockTransfer:
+    def of(
+        cls, req_id: str, block_ids: Sequence[int], block_hashes: Sequence[bytes], first_index: int,
+        retention: int = 0,
+    ) -> BlockTransfer:
         if len(block_ids) != len(block_hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(block_hashes)} hashes")
         if len({len(h) for h in block_hashes}) > 1:
             raise ValueError("the block hashes of one transfer must all have one size")
-        return cls(req_id, array("i", block_ids), b"".join(block_hashes), first_index)
+        return cls(req_id, array("i", block_ids), b"".join(block_hashes), first_index, retention)
 
     def __len__(self) -> int:
         return len(self.block_ids)

@@ -56,9 +56,9 @@ class Saves:
     def rescue(self, transfers: list[BlockTransfer]) -> None:
         """Every unit of these blocks handed to the sending thread at once; returns
         once they are out of the cache (vLLM gives them to other requests now)."""
-        batch = self._batch(transfers)
-        for unit in self._units:
-            self._submit(batch, unit)
+        for batch in self._batches(transfers):
+            for unit in self._units:
+                self._submit(batch, unit)
         self._wait_copied()
 
     def _wait_copied(self) -> None:
@@ -69,14 +69,16 @@ class Saves:
                 self._log_failure(Status.ERROR, f"copy out of the KV cache exceeded transfer_timeout="
                                   f"{self._timeout}s, save abandoned")
 
-    def _batch(self, transfers: list[BlockTransfer]) -> Batch:
-        batch = Batch([], [])
+    def _batches(self, transfers: list[BlockTransfer]) -> list[Batch]:
+        """This rank's blocks of the transfers, one batch per retention class."""
+        batches: dict[int, Batch] = {}
         for t in transfers:
+            batch = batches.setdefault(t.retention, Batch([], [], t.retention))
             first = t.first_index
             for i in self._owner.owned_blocks(range(first, first + len(t))):
                 batch.blocks.append(BlockRef(t.block_ids[i - first], t.block_hash(i - first)))
                 batch.req_ids.append(t.req_id)
-        return batch
+        return [batches[r] for r in sorted(batches)]
 
     def _submit(self, batch: Batch, unit: Unit) -> None:
         if not batch.blocks:
@@ -90,7 +92,7 @@ class Saves:
         """Runs on the sending thread."""
         started = time.perf_counter()
         try:
-            statuses = self._io.save(batch.blocks, unit, computed, handoff)
+            statuses = self._io.save(batch.blocks, unit, computed, handoff, batch.retention)
         except Exception as exc:
             statuses = [Status.ERROR] * len(batch.blocks)
             self._log_failure(Status.ERROR, str(exc))
@@ -121,8 +123,8 @@ class Saves:
 
 class WholeBlockSaves(Saves):
     def end_step(self, meta: AioConnectorMetadata) -> None:
-        if meta.saves:
-            self._submit(self._batch(meta.saves), self._units[0])
+        for batch in self._batches(meta.saves):
+            self._submit(batch, self._units[0])
         super().end_step(meta)
 
 
@@ -137,7 +139,7 @@ class LayerwiseSaves(Saves):
         if unit is None or not meta.saves:
             return
         if self._store is None:
-            self._store = self._store_layers(self._batch(meta.saves))
+            self._store = self._store_layers(self._batches(meta.saves))
             next(self._store)
         self._store.send(unit)
 
@@ -145,7 +147,9 @@ class LayerwiseSaves(Saves):
         self._store = None
         super().end_step(meta)
 
-    def _store_layers(self, batch: Batch) -> Generator[None, Unit, None]:
+    def _store_layers(self, batches: list[Batch]) -> Generator[None, Unit, None]:
         """Hands the step's blocks of each layer it is sent to the sending thread."""
         while True:
-            self._submit(batch, (yield))
+            unit = yield
+            for batch in batches:
+                self._submit(batch, unit)

@@ -341,8 +341,9 @@ class AioScheduler:
             return []
         tracker.num_saved_blocks = full
         skip_start, skip_end = tracker.loaded
+        retention = self._dep.retention_of(request.priority)
         return [
-            BlockTransfer.of(request.request_id, tracker.block_ids[lo:hi], request.block_hashes[lo:hi], lo)
+            BlockTransfer.of(request.request_id, tracker.block_ids[lo:hi], request.block_hashes[lo:hi], lo, retention)
             for lo, hi in ((start, min(full, skip_start)), (max(start, skip_end), full))
             if lo < hi
         ]

@@ -15,7 +15,9 @@ one file in ``/dev/shm`` that every process maps:
   processes all died is swept by the next pool created on this host.
 * Every value has the same size (one rank's bytes of one KV block), so memory
   is an array of fixed slots: no fragmentation, O(1) allocation, and eviction
-  is "least recently used READY slot".
+  is "least recently used READY slot of the lowest retention class": a value
+  carries the class of the request that stored it (from its vLLM priority,
+  ``priority_cutoffs``), raised when a request of a higher class stores it again.
 * Block records answer the scheduler's question, "how many leading blocks
   have every part stored?", with one probe per block instead of one per part
   (shards x layers): a second open-addressed table keyed by the block's group
@@ -56,8 +58,8 @@ from vllm_aio.pool.keys import block_of_key, parse_block_key
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "vllm_aio."
 _LOCK_PREFIX = "vllm_aio_lock."
-_MAGIC = 0x41494F504F4F4C32  # "AIOPOOL2": block records added
-_OLD_MAGICS = (0x41494F504F4F4C31,)  # "AIOPOOL1": before block records
+_MAGIC = 0x41494F504F4F4C33  # "AIOPOOL3": retention classes added
+_OLD_MAGICS = (0x41494F504F4F4C31, 0x41494F504F4F4C32)  # "AIOPOOL1": no block records; "AIOPOOL2": no classes
 _MAX_PIDS = 256
 _PAGE = 4096
 
@@ -247,6 +249,7 @@ class _Layout:
             ("key_lo", self.num_slots, np.int64),
             ("version", self.num_slots, np.int64),
             ("last_used", self.num_slots, np.int64),
+            ("retention", self.num_slots, np.int64),  # evicted lowest class first
             ("state", self.num_slots, np.int64),
             ("slot_group_hi", self.num_slots, np.int64),  # 0: the slot's key has no block record
             ("slot_group_lo", self.num_slots, np.int64),
@@ -377,6 +380,7 @@ class SharedHostPool:
         self._key_lo = view("key_lo")
         self._version = view("version")
         self._last_used = view("last_used")
+        self._retention = view("retention")
         self._state = view("state")
         self._slot_group_hi = view("slot_group_hi")
         self._slot_group_lo = view("slot_group_lo")
@@ -544,9 +548,12 @@ class SharedHostPool:
         if not len(ready):
             return []
         count = min(count, len(ready))
+        # Lowest class first, least recently used within it: the clock stays
+        # far below 2**48 ticks, so one integer orders both.
+        order = (self._retention[ready] << 48) | self._last_used[ready]
         # In slot order: a batch's values then lie back to back where they can,
         # so a direct load finds them in runs it moves by DMA (``connector/mapped_slots.py``).
-        victims = np.sort(ready[np.argpartition(self._last_used[ready], count - 1)[:count]])
+        victims = np.sort(ready[np.argpartition(order, count - 1)[:count]])
         for slot in victims.tolist():
             bucket, found = self._find(int(self._key_hi[slot]), int(self._key_lo[slot]))
             assert found == slot
@@ -578,11 +585,12 @@ class SharedHostPool:
         """Presence of each key; a hit refreshes its LRU position."""
         return [pin is not None for pin in self.pin_for_read(keys)]
 
-    def reserve(self, keys: Sequence[str]) -> list[int | None]:
+    def reserve(self, keys: Sequence[str], retention: int = 0) -> list[int | None]:
         """Per key: a WRITING slot to fill, or None if already stored; -1 if no room.
 
         The slot records its key's id, so ``commit`` needs only the slot: a key
-        is hashed once per put.
+        is hashed once per put. ``retention``: the storing request's class; a
+        stored key keeps the higher of its class and this one.
         """
         his, los = _key_ids(keys)
         groups = _groups_of_keys(keys)
@@ -593,8 +601,10 @@ class SharedHostPool:
             clock = int(self._header[_H_CLOCK])
             self._last_used[hits] = clock + 1 + np.arange(len(hits))  # one tick per stored key, in order
             self._header[_H_CLOCK] = clock + len(hits)
+            self._retention[hits] = np.maximum(self._retention[hits], retention)
             missing = np.flatnonzero(~stored)
             slots = np.asarray(self._allocate(len(missing)), dtype=np.int64)
+            self._retention[slots] = retention
             filled = missing[: len(slots)]
             self._key_hi[slots], self._key_lo[slots] = his[filled], los[filled]
             self._slot_group_hi[slots], self._slot_group_lo[slots] = groups.hi[filled], groups.lo[filled]
