@@ -40,7 +40,11 @@ HIGH, LOW = 0, 1  # vLLM priorities: lower is more important
 PREFIX_BLOCKS = 32
 HIGH_PREFIXES, LOW_PREFIXES = 4, 16
 SUFFIX_TOKENS = 16  # a partial block: never stored, makes every prompt unique
-SYSTEMS = {"lru": [], "priority": [HIGH]}
+# system -> (priority_cutoffs, mooncake_master flags)
+SYSTEMS = {"lru": ([], ()), "priority": ([HIGH], ())}
+# Mooncake's master may evict soft-pinned values once nothing else is left
+# (its default); this one never does.
+MOONCAKE_SYSTEMS = {"priority, pins kept": ([HIGH], ("--allow_evict_soft_pinned_objects=false",))}
 
 
 def traffic(rounds: int, seed: int = 5) -> list[list[tuple[int, str, int]]]:
@@ -77,8 +81,8 @@ def run_engine(spec: dict) -> dict:
             rows.append({"priority": priority, "warm": name in seen,
                          "hit": min(out.num_cached_tokens, PREFIX_BLOCKS * BLOCK_SIZE)})
         seen |= {name for _, name, _ in batch}
-    counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:aio_")}
-    return {"rows": rows, "load_failures": counters.get("vllm:aio_load_failures", 0)}
+    counters = {m.name[len("vllm:aio_"):]: m.value for m in llm.get_metrics() if m.name.startswith("vllm:aio_")}
+    return {"rows": rows, "counters": counters}
 
 
 # ---------------------------------------------------------------- the driver
@@ -93,10 +97,11 @@ def kv_config(backend: str, pool_bytes: int, cutoffs: list[int], pool) -> dict:
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
-def run_system(model: Path, backend: str, pool_bytes: int, cutoffs: list[int], rounds: list) -> dict:
+def run_system(model: Path, backend: str, pool_bytes: int, cutoffs: list[int], master_args: tuple[str, ...],
+               rounds: list) -> dict:
     from vllm_aio.devtools.mooncake_pool import MooncakePool
 
-    pool = MooncakePool(pool_bytes).start() if backend == "mooncake" else None
+    pool = MooncakePool(pool_bytes, master_args=master_args).start() if backend == "mooncake" else None
     try:
         with tempfile.TemporaryDirectory() as tmp:
             spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
@@ -136,12 +141,15 @@ def main() -> int:
     print(f"{len(rounds) * 5} requests, working set {working_set / 2**20:.1f} MiB, "
           f"pool {pool_bytes / 2**20:.1f} MiB ({pool_bytes / working_set:.0%}), backend {args.backend}")
     results, body = {}, []
-    for system, cutoffs in SYSTEMS.items():
-        results[system] = run_system(args.model, args.backend, pool_bytes, cutoffs, rounds)
+    systems = {**SYSTEMS, **(MOONCAKE_SYSTEMS if args.backend == "mooncake" else {})}
+    for system, (cutoffs, master_args) in systems.items():
+        results[system] = run_system(args.model, args.backend, pool_bytes, cutoffs, master_args, rounds)
         (high, n_high), (low, n_low) = (hit_rate(results[system]["rows"], p) for p in (HIGH, LOW))
-        body.append([system, f"{high:.1%} ({n_high})", f"{low:.1%} ({n_low})", str(results[system]["load_failures"])])
+        counters = results[system]["counters"]
+        body.append([system, f"{high:.1%} ({n_high})", f"{low:.1%} ({n_low})",
+                     *(f"{counters.get(name, 0):.0f}" for name in ("save_failures", "load_failures"))])
     print_markdown(["system", "high-priority hit rate (requests)", "low-priority hit rate (requests)",
-                    "load failures"], body, left=1, title=f"Pool hit rate by priority ({args.backend})")
+                    "save failures", "load failures"], body, left=1, title=f"Pool hit rate by priority ({args.backend})")
     write_results(args.json.with_name(f"priority_{args.backend}.json"), "priority", started,
                   backend=args.backend, pool_bytes=pool_bytes, working_set=working_set, results=results)
     return 0
