@@ -31,8 +31,12 @@ setup(
     },
     entry_points={
         "console_scripts": ["vllm-aio = vllm_aio.cli:main"],
-        # Lets dynamic_buffer_layers re-plan vLLM's KV cache (a no-op otherwise).
-        "vllm.general_plugins": ["vllm_aio_buffer_plan = vllm_aio.buffer_plan:register"],
+        "vllm.general_plugins": [
+            # Lets dynamic_buffer_layers re-plan vLLM's KV cache (a no-op otherwise).
+            "vllm_aio_buffer_plan = vllm_aio.buffer_plan:register",
+            # "kv_connector": "AioConnector" without kv_connector_module_path.
+            "vllm_aio_connector = vllm_aio.registration:register",
+        ],
         # POST /v1/kv_migration/{op} on the OpenAI server (vllm_aio/migration/endpoints.py).
         "vllm.endpoint_plugins": ["vllm_aio_migration = vllm_aio.migration.endpoints:MigrationEndpoints"],
     },

@@ -67,8 +67,8 @@ from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy  # noqa
 from vllm_aio.migration.driver import Instance, MigrationError, MoveReport, move_kv  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
-# The migration routes are an endpoint plugin: VLLM_PLUGINS must name it, and then our general plugin too.
-PLUGINS = "vllm_aio_buffer_plan,vllm_aio_migration"
+# The migration routes are an endpoint plugin: VLLM_PLUGINS must name it, and then our general plugins too.
+PLUGINS = "vllm_aio_buffer_plan,vllm_aio_connector,vllm_aio_migration"
 PHASES = ("session", "flush", "allocate", "transfer", "commit")
 QUICK_LENGTHS = "1024,2048"
 WARMUP_TOKENS = 2048  # per warm-up sequence (at most the longest length measured)
@@ -110,7 +110,6 @@ class Sizing:
     def connector(self) -> dict:
         return {
             "kv_connector": "AioConnector",
-            "kv_connector_module_path": "vllm_aio.connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"migration": True, "migration_hostname": "127.0.0.1",

@@ -91,7 +91,6 @@ def theirs_kv_config(lookup_rpc_port: int) -> dict:
 def aio_kv_config(pool_config: dict) -> dict:
     return {
         "kv_connector": "AioConnector",
-        "kv_connector_module_path": "vllm_aio.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"backend": "mooncake", **pool_config, "global_segment_size": 0},

@@ -79,7 +79,6 @@ MODEL_SETTINGS = {
 def aio_config(pool_name: str) -> dict:
     return {
         "kv_connector": "AioConnector",
-        "kv_connector_module_path": "vllm_aio.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"local_pool_name": pool_name, "local_pool_size": POOL_SIZE},
