@@ -62,7 +62,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _engine import BLOCK_SIZE, ROOT, kv_bytes_per_token, make_prompts, value_bytes  # noqa: E402
-from _report import arguments, print_markdown, write_results  # noqa: E402  (benchmarks/ is on sys.path)
+from _report import arguments, print_markdown, progress, write_results  # noqa: E402  (benchmarks/ is on sys.path)
 from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy  # noqa: E402
 from vllm_aio.migration.driver import Instance, MigrationError, MoveReport, move_kv  # noqa: E402
 
@@ -284,7 +284,7 @@ def bench_model(name: str, lengths: list[int], seed: int, args) -> dict:
         print(f"  warm-up: {len(warm_up)} moves of {warm_tokens} tokens into slots B had not used: write median "
               f"{statistics.median(map(write_gbps, warm_up)):.2f} GB/s; the first move (TransferEngine link setup "
               f"included) {warm_up[0]['seconds']['total'] * 1e3:.0f} ms", flush=True)
-        for tokens in lengths:
+        for tokens in progress(lengths, len(lengths), f"{name} lengths", args.quick):
             try:
                 samples = [pair.sample(tokens) for _ in range(args.repeats)]
             except (MigrationError, requests.RequestException, RuntimeError) as exc:
