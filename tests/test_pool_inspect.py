@@ -144,9 +144,11 @@ def test_a_pool_whose_processes_died_is_listed_stale_and_removed_by_clear(new_na
 
 
 def test_files_that_are_not_pools_are_reported_and_never_cleared(new_name, capsys):
-    name, orphan = new_name(), new_name()
+    name, tiny, orphan = new_name(), new_name(), new_name()
     pool_path(name).write_bytes(b"\0" * 4096)
-    pool_path(name).chmod(0o600)
+    pool_path(tiny).write_bytes(b"\0" * 5)  # shorter than a header
+    for path in (pool_path(name), pool_path(tiny)):
+        path.chmod(0o600)
     lock_path(orphan).touch()
 
     assert main(["pool", "ls"]) == 0

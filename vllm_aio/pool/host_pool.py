@@ -252,11 +252,14 @@ def snapshot(name: str, prefix_bytes: int = 0) -> PoolSnapshot:
     """
     fd = _open_private(pool_path(name), os.O_RDONLY)
     try:
-        head = np.frombuffer(os.pread(fd, 8 * _H_FIELDS, 0), dtype=np.int64)
+        raw = os.pread(fd, 8 * _H_FIELDS, 0)
+        head = np.frombuffer(raw[: len(raw) // 8 * 8], dtype=np.int64)
         problem = _attach_problem(name, head, int(head[_H_SLOT_SIZE]) if len(head) == _H_FIELDS else 0)
         if problem:
             raise RuntimeError(problem)
         layout = _Layout(int(head[_H_SLOT_SIZE]), int(head[_H_NUM_SLOTS]))
+        if os.fstat(fd).st_size < layout.file_bytes:
+            raise RuntimeError(f"{pool_path(name)} is shorter than its header says: not a whole pool")
         mm = mmap.mmap(fd, layout.file_bytes, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
