@@ -97,12 +97,11 @@ def _pool_commands(commands: argparse._SubParsersAction) -> None:
     clear.add_argument("--namespace", help="only values of this key namespace (16 hex digits, see stats)")
 
 
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    raise AssertionError
+def _bytes(n: float) -> str:
+    unit, larger = "B", ["KiB", "MiB", "GiB"]
+    while n >= 1024 and larger:
+        n, unit = n / 1024, larger.pop(0)
+    return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
 
 
 def _pool_row(info: PoolInfo) -> list[str]:

@@ -67,7 +67,7 @@ _EMPTY = -1
 # Header: fixed int64 fields, then the attached-pid table.
 _H_MAGIC, _H_SLOT_SIZE, _H_NUM_SLOTS, _H_TABLE_SIZE, _H_CLOCK = range(5)
 _H_NEXT_UNUSED, _H_EVICTIONS, _H_NUM_READY = range(5, 8)
-# Values looked up for reading and found (pin_ids): zero in a pool made before they were counted.
+# Values looked up by key (pin_ids) and those found: counted from zero in a pool made before.
 _H_LOOKUPS, _H_HITS = 8, 9
 _H_FIELDS = 16
 
@@ -219,8 +219,8 @@ class PoolUsage:
     num_ready: int
     slot_size: int
     evictions: int
-    lookups: int = 0  # values asked for reading, found or not
-    hits: int = 0
+    lookups: int  # values looked up by key, found or not
+    hits: int
 
     @property
     def bytes_used(self) -> int:
