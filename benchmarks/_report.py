@@ -11,10 +11,13 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 RESULTS = Path(__file__).resolve().parent / "results"
+T = TypeVar("T")
+Series = dict[str, tuple[Sequence[float], Sequence[float]]]  # name -> (xs, ys)
 
 
 def arguments(doc: str, script: str) -> argparse.ArgumentParser:
@@ -54,3 +57,47 @@ def write_results(path: Path, script: str, started: float, **fields) -> float:
     path.write_text(json.dumps(out, indent=1, default=str))
     print(f"\nwrote {path} ({elapsed:.0f}s)")
     return elapsed
+
+
+def plot_argument(parser: argparse.ArgumentParser) -> None:
+    """``--plot PATH``: off unless given (a plot needs matplotlib, from the ``test`` extra; GPU hosts have torch only)."""
+    parser.add_argument("--plot", type=Path, help="also draw the main comparison as a PNG at PATH (needs matplotlib)")
+
+
+def progress(items: Iterable[T], total: int, what: str, quick: bool) -> Iterator[T]:
+    """``items`` with a progress bar on stderr, only where someone watches: a terminal, not ``--quick``."""
+    if quick or not sys.stderr.isatty():
+        yield from items
+        return
+    from tqdm import tqdm  # vLLM's dependency; imported only when a bar is drawn
+
+    yield from tqdm(items, total=total, desc=what, file=sys.stderr, leave=False)
+
+
+def plot(path: Path, title: str, axes: tuple[str, str], series: Series, ceilings: Series | None = None,
+         log: str = "") -> None:
+    """One line chart: a line with markers per series, a dashed line per ceiling (what the series are bound by).
+
+    ``log`` names the logarithmic axes: "", "x", "y" or "xy".
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4), dpi=100)
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    for name, (xs, ys) in (ceilings or {}).items():
+        ax.plot(xs, ys, linestyle="--", label=name)
+    ax.set(title=title, xlabel=axes[0], ylabel=axes[1], xscale="log" if "x" in log else "linear",
+           yscale="log" if "y" in log else "linear")
+    if "y" not in log:
+        ax.set_ylim(bottom=0)  # ratios to the ceiling read true from zero
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"wrote {path}")

@@ -94,7 +94,7 @@ from vllm_aio.pool.keys import Unit  # noqa: E402
 from _accel import Accel, timed, wall  # noqa: E402  (benchmarks/ is on sys.path)
 from _model import DTYPE, LLAMA3_8B, TINY, Model  # noqa: E402
 from _pool import expect, free_bytes, header, use_pool_dir  # noqa: E402
-from _report import arguments, print_markdown, write_results  # noqa: E402
+from _report import arguments, plot, plot_argument, print_markdown, write_results  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -385,6 +385,20 @@ def conclusion(rows: list[dict]) -> str:
             f"({big['save_GBps']:.1f} of {big['d2h_GBps']:.1f} GB/s).")
 
 
+def plot_loads(rows: list[dict], path: Path) -> None:
+    """Load GB/s of both paths against the bytes a call moves, under one pinned H2D copy of them (the link)."""
+    done = [r for r in rows if "skipped" not in r and "h2d_GBps" in r]
+    series, ceiling = {}, {}
+    for case in dict.fromkeys(r["case"] for r in done):
+        picked = sorted((r for r in done if r["case"] == case), key=lambda r: r["payload_bytes"])
+        mib = [r["payload_bytes"] / MiB for r in picked]
+        series[f"staged, {case}"] = (mib, [r["load_GBps"] for r in picked])
+        if all("direct_load_GBps" in r for r in picked):
+            series[f"direct, {case}"] = (mib, [r["direct_load_GBps"] for r in picked])
+        ceiling[f"pinned H2D, {case}"] = (mib, [r["h2d_GBps"] for r in picked])
+    plot(path, "BlockIO loads vs the link", ("MiB per call", "GB/s"), series, ceiling, log="x")
+
+
 def main() -> int:
     parser = arguments(__doc__, "block_io_device")
     parser.add_argument("--device", default="auto", help=Accel.HELP)
@@ -393,6 +407,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--pool-gib", type=float, default=4.0, help="largest pool (in /dev/shm) per case")
+    plot_argument(parser)
     parser.add_argument("--shm-dir", type=Path, default=None,
                         help=f"put the pool in this tmpfs instead of {host_pool.SHM_DIR} (where that one is small)")
     args = parser.parse_args()
@@ -415,6 +430,11 @@ def main() -> int:
     print_tables(rows)
     line = conclusion(rows)
     print("\n" + line)
+    if args.plot:
+        if any("h2d_GBps" in r for r in rows):
+            plot_loads(rows, args.plot)
+        else:
+            print("no plot: without an accelerator there is no link to compare with")
     write_results(args.json, "block_io_device", started, device=acc.describe(), torch=torch.__version__,
                   model=asdict(m), torch_threads=torch.get_num_threads(),
                   args={k: v for k, v in vars(args).items() if k != "json"}, rows=rows, conclusion=line)

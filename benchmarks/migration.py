@@ -62,13 +62,13 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _engine import BLOCK_SIZE, ROOT, kv_bytes_per_token, make_prompts, value_bytes  # noqa: E402
-from _report import arguments, print_markdown, write_results  # noqa: E402  (benchmarks/ is on sys.path)
+from _report import arguments, print_markdown, progress, write_results  # noqa: E402  (benchmarks/ is on sys.path)
 from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy  # noqa: E402
 from vllm_aio.migration.driver import Instance, MigrationError, MoveReport, move_kv  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
-# The migration routes are an endpoint plugin: VLLM_PLUGINS must name it, and then our general plugin too.
-PLUGINS = "vllm_aio_buffer_plan,vllm_aio_migration"
+# The migration routes are an endpoint plugin: VLLM_PLUGINS must name it, and then our general plugins too.
+PLUGINS = "vllm_aio_buffer_plan,vllm_aio_connector,vllm_aio_migration"
 PHASES = ("session", "flush", "allocate", "transfer", "commit")
 QUICK_LENGTHS = "1024,2048"
 WARMUP_TOKENS = 2048  # per warm-up sequence (at most the longest length measured)
@@ -110,7 +110,6 @@ class Sizing:
     def connector(self) -> dict:
         return {
             "kv_connector": "AioConnector",
-            "kv_connector_module_path": "vllm_aio.connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"migration": True, "migration_hostname": "127.0.0.1",
@@ -285,7 +284,7 @@ def bench_model(name: str, lengths: list[int], seed: int, args) -> dict:
         print(f"  warm-up: {len(warm_up)} moves of {warm_tokens} tokens into slots B had not used: write median "
               f"{statistics.median(map(write_gbps, warm_up)):.2f} GB/s; the first move (TransferEngine link setup "
               f"included) {warm_up[0]['seconds']['total'] * 1e3:.0f} ms", flush=True)
-        for tokens in lengths:
+        for tokens in progress(lengths, len(lengths), f"{name} lengths", args.quick):
             try:
                 samples = [pair.sample(tokens) for _ in range(args.repeats)]
             except (MigrationError, requests.RequestException, RuntimeError) as exc:

@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _engine import (  # noqa: E402  (benchmarks/ is on sys.path)
     BLOCK_SIZE, ROOT, EngineFailed, EngineProc, Engines, check_hits, check_loads, chosen, engine_arguments,
-    exit_code, make_prompts, summarize)
-from _report import arguments, print_markdown, write_results  # noqa: E402
+    exit_code, make_prompts, plot_ttft, summarize)
+from _report import arguments, print_markdown, progress, write_results  # noqa: E402
 
 SYSTEMS = ("recompute", "MooncakeStoreConnector", "vllm_aio")
 CONNECTORS = SYSTEMS[1:]
@@ -91,7 +91,6 @@ def theirs_kv_config(lookup_rpc_port: int) -> dict:
 def aio_kv_config(pool_config: dict) -> dict:
     return {
         "kv_connector": "AioConnector",
-        "kv_connector_module_path": "vllm_aio.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"backend": "mooncake", **pool_config, "global_segment_size": 0},
@@ -219,7 +218,7 @@ class Bench:
             ready(b)
             time.sleep(args.gap)
             turn = 0
-            for r in range(args.repeats):
+            for r in progress(range(args.repeats), args.repeats, f"TP={self.tp}", args.quick):
                 for n in lengths:
                     order = self.systems[turn % len(self.systems):] + self.systems[:turn % len(self.systems)]
                     turn += 1
@@ -322,6 +321,8 @@ def main() -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     print_tables(rows)
+    if args.plot:
+        plot_ttft(rows, systems, args.plot, f"Warm-request TTFT on one Mooncake pool ({args.model})", "tp")
     for run in runs:
         for s, err in run["errors"].items():
             print(f"\n{s} at TP={run['tp']} failed:\n{err}")

@@ -55,7 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _pool import expect  # noqa: E402  (benchmarks/ is on sys.path)
-from _report import arguments, print_markdown, write_results  # noqa: E402
+from _report import arguments, plot, plot_argument, print_markdown, progress, write_results  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 # name, segments per value (layers), segment bytes, blocks
@@ -214,6 +214,15 @@ def print_table(rows: list[dict], title: str) -> None:
     ) for r in rows], left=1, title=title)
 
 
+def plot_bandwidth(rows: list[dict], path: Path) -> None:
+    """put and get GB/s against the value size, under one memcpy of the same bytes (the ceiling)."""
+    rows = sorted(rows, key=lambda r: r["segments"] * r["segment_bytes"])
+    sizes = [r["segments"] * r["segment_bytes"] / KiB for r in rows]
+    plot(path, "Embedded pool put/get vs memcpy", ("value KiB (one KV block of one rank)", "GB/s"),
+         {op: (sizes, [r[f"{op}_GBps"] for r in rows]) for op in ("put", "get")},
+         {"memcpy (ceiling)": (sizes, [r["memcpy_GBps"] for r in rows])}, log="x")
+
+
 def main() -> int:
     parser = arguments(__doc__, "pool_bandwidth")
     parser.add_argument("--repeats", type=int, default=7)
@@ -221,6 +230,7 @@ def main() -> int:
     parser.add_argument("--nt-threshold", type=int, default=None, metavar="BYTES",
                         help="also run every case with glibc's non-temporal threshold set to BYTES")
     parser.add_argument("--rows-json", type=Path, help=argparse.SUPPRESS)  # child mode
+    plot_argument(parser)
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.blocks_scale = min(args.repeats, 2), min(args.blocks_scale, 0.05)
@@ -231,7 +241,7 @@ def main() -> int:
     print(f"  first copy in this process (numba compiles or loads the copy loops): {first_copy * 1e3:.0f} ms",
           flush=True)
     rows = []
-    for i, (name, num_segs, seg, blocks) in enumerate(CASES):
+    for i, (name, num_segs, seg, blocks) in progress(enumerate(CASES), len(CASES), "cases", args.quick):
         rows.append(run_case(name, num_segs, seg, max(1, int(blocks * args.blocks_scale)), args.repeats, i))
         print(f"  {name}: done", flush=True)
     if args.rows_json:  # child: hand the rows back, print nothing else
@@ -248,6 +258,8 @@ def main() -> int:
             nt_rows = json.loads(rows_path.read_text())
     print_table(rows, f"Embedded pool (LocalBackend) vs memcpy, median of {args.repeats}; "
                       f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs")
+    if args.plot:
+        plot_bandwidth(rows, args.plot)
     if nt_rows:
         print_table(nt_rows, f"Same, GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold={args.nt_threshold}")
     write_results(args.json, "pool_bandwidth", started, torch_threads=torch.get_num_threads(), rows=rows,

@@ -51,7 +51,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _report import RESULTS, arguments, print_markdown, write_results  # noqa: E402  (benchmarks/ is on sys.path)
+from _report import arguments, plot, plot_argument, print_markdown, progress, write_results  # noqa: E402  (benchmarks/ is on sys.path)
 from vllm_aio.backends import Backend  # noqa: E402
 from vllm_aio.backends.local import LocalBackend  # noqa: E402
 from vllm_aio.connector.deployment import Deployment  # noqa: E402
@@ -221,10 +221,10 @@ def measure(pool: str, backend: Backend, dep: Deployment, hashes: list[bytes], l
 # ---- the embedded pool -------------------------------------------------------------------
 
 
-def embedded_rows(shapes, lengths, reps, before_max_keys) -> list[Row]:
+def embedded_rows(shapes, lengths, reps, before_max_keys, quick: bool) -> list[Row]:
     hashes = prompt_hashes(max(lengths) // BS)
     rows = []
-    for layers, tp, layerwise in shapes:
+    for layers, tp, layerwise in progress(shapes, len(shapes), "embedded pool shapes", quick):
         dep = deployment(layers, tp, layerwise)
         parts = parts_of(dep)
         keys = [key for h in hashes for key in parts.keys(h)]
@@ -395,39 +395,28 @@ def print_tables(rows: list[Row], master: list[dict], worker: list[dict]) -> Non
     ], title="Worker: building one rank's keys of a step that loads the whole prompt (BlockIO.keys per unit)")
 
 
-def plot(rows: list[Row], path: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed here: no plot (pip install matplotlib, then run again)"
-    fig, ax = plt.subplots(figsize=(8, 5))
+def plot_lookups(rows: list[Row], path: Path) -> None:
+    series = {}
     for key in sorted({(r.pool, r.mode, r.layers, r.tp) for r in rows}):
-        series = [r for r in rows if (r.pool, r.mode, r.layers, r.tp) == key]
-        ax.plot([r.tokens for r in series], [r.lookup_ms for r in series], marker="o",
-                label=f"{key[0]} {key[1]} {key[2]}L TP{key[3]}")
+        picked = [r for r in rows if (r.pool, r.mode, r.layers, r.tp) == key]
+        series[f"{key[0]} {key[1]} {key[2]}L TP{key[3]}"] = ([r.tokens for r in picked], [r.lookup_ms for r in picked])
     vllm = sorted({(r.tokens, r.vllm_ms) for r in rows if r.vllm_ms is not None})
-    if vllm:
-        ax.plot(*zip(*vllm), "k--", label="vLLM schedule()")
-    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="ms", title="Lookup of a fully cached prompt")
-    ax.legend(fontsize=6)
-    fig.savefig(path, dpi=120)
-    return f"wrote {path}"
+    plot(path, "Lookup of a fully cached prompt", ("prompt tokens", "ms"), series,
+         {"vLLM schedule()": tuple(zip(*vllm))} if vllm else None, log="xy")
 
 
 def main() -> int:
     parser = arguments(__doc__, "scale")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-mooncake", action="store_true", help="the embedded pool only")
+    plot_argument(parser)
     args = parser.parse_args()
     started = time.perf_counter()
     lengths, shapes, reps, before_max_keys = list(LENGTHS), SHAPES, args.reps, 5_000_000
     if args.quick:
         lengths, reps, before_max_keys = [4096, 16384], 2, 300_000
         shapes = [s for s in SHAPES if s[0] == 32]
-    rows = embedded_rows(shapes, lengths, reps, before_max_keys)
+    rows = embedded_rows(shapes, lengths, reps, before_max_keys, args.quick)
     master: list[dict] = []
     reason = "--no-mooncake" if args.no_mooncake else mooncake_missing()
     if reason is None:
@@ -440,7 +429,8 @@ def main() -> int:
         row.vllm_ms = vllm.get(row.tokens)
     worker = worker_key_rows(shapes, lengths, reps)
     print_tables(rows, master, worker)
-    print("\n" + plot(rows, args.json.with_suffix(".png") if args.json.parent != RESULTS else RESULTS / "scale.png"))
+    if args.plot:
+        plot_lookups(rows, args.plot)
     write_results(args.json, "scale", started, rows=[r.__dict__ for r in rows], mooncake_master=master,
                   worker_keys=worker, vllm_schedule_ms=vllm)
     return 0

@@ -61,8 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _engine import (  # noqa: E402  (benchmarks/ is on sys.path)
     ROOT, EngineFailed, Engines, check_hits, check_loads, chosen, engine_arguments, exit_code, make_prompts,
-    summarize, value_bytes)
-from _report import arguments, print_markdown, write_results  # noqa: E402
+    plot_ttft, summarize, value_bytes)
+from _report import arguments, print_markdown, progress, write_results  # noqa: E402
 
 POOL_SIZE = "4GB"
 SYSTEMS = ("recompute", "ExampleConnector", "vllm_aio", "prefix-cache")
@@ -79,7 +79,6 @@ MODEL_SETTINGS = {
 def aio_config(pool_name: str) -> dict:
     return {
         "kv_connector": "AioConnector",
-        "kv_connector_module_path": "vllm_aio.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"local_pool_name": pool_name, "local_pool_size": POOL_SIZE},
@@ -150,7 +149,7 @@ def bench_model(name: str, lengths: list[int], systems: list[str], args) -> dict
                     for n in lengths:
                         cold["prefix-cache"][n] = b["prefix-cache"].request(f"fill/{n}", prompts[n], args.timeout)
                         time.sleep(args.gap)
-                for r in range(args.repeats):
+                for r in progress(range(args.repeats), args.repeats, f"{name} round {rnd} group {gi}", args.quick):
                     for n in lengths:
                         order = group[turn % len(group):] + group[:turn % len(group)]
                         turn += 1
@@ -245,6 +244,8 @@ def main() -> int:
         print(f"\n{exc}", file=sys.stderr)
         return 1
     print_tables(rows)
+    if args.plot:
+        plot_ttft(rows, systems, args.plot, "Warm-request TTFT in a fresh engine", "model")
     connectors = [s for s in systems if s != "recompute"]
     problems = [f"{r['model']} {r['prompt_tokens']}: {p}" for r in rows for p in check_hits(r, connectors)]
     problems += [p for res in results.values() for p in check_loads(res["engines"])]

@@ -29,7 +29,6 @@ from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy
 
 KV_TRANSFER_CONFIG = {
     "kv_connector": "AioConnector",
-    "kv_connector_module_path": "vllm_aio.connector",
     "kv_role": "kv_both",
     # vLLM's default "fail" fails a request whose block was evicted between the
     # scheduler's lookup and the worker's load; recompute it instead.

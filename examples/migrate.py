@@ -31,15 +31,14 @@ from vllm_aio.migration.driver import Instance, generate_migrating
 SERVER_ARGS = ["--block-size", "32", "--max-model-len", "4096", "--enforce-eager", "--no-enable-prefix-caching",
                "--enable-prompt-tokens-details"]
 # The migration routes are an endpoint plugin: vLLM loads it only when VLLM_PLUGINS names it
-# (and then every other plugin it should load, such as our dynamic-buffer plugin).
-ENV = {"VLLM_PLUGINS": "vllm_aio_buffer_plan,vllm_aio_migration", "PYTHONHASHSEED": "0",
+# (and then every other plugin it should load, such as our connector registration and dynamic-buffer plugin).
+ENV = {"VLLM_PLUGINS": "vllm_aio_buffer_plan,vllm_aio_connector,vllm_aio_migration", "PYTHONHASHSEED": "0",
        "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def kv_transfer_config() -> dict:
     return {
         "kv_connector": "AioConnector",
-        "kv_connector_module_path": "vllm_aio.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"local_pool_size": "512MB", "migration": True,

@@ -18,7 +18,7 @@ while [ ! -s /tmp/mooncake.json ]; do sleep 0.2; done
 export MOONCAKE_CONFIG_PATH=/tmp/mooncake.json
 
 kv() {  # $1: kv_role
-  echo "{\"kv_connector\":\"AioConnector\",\"kv_connector_module_path\":\"vllm_aio.connector\",\"kv_role\":\"$1\",\"kv_load_failure_policy\":\"recompute\",\"kv_connector_extra_config\":{\"backend\":\"mooncake\"}}"
+  echo "{\"kv_connector\":\"AioConnector\",\"kv_role\":\"$1\",\"kv_load_failure_policy\":\"recompute\",\"kv_connector_extra_config\":{\"backend\":\"mooncake\"}}"
 }
 common=(--model "$MODEL" --block-size 32 --max-model-len 4096 --enforce-eager)
 "${VLLM[@]}" "${common[@]}" --port 8100 --kv-transfer-config "$(kv kv_producer)" &

@@ -6,6 +6,7 @@ failure, never a skip: a green CI run must mean the real thing ran.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -25,6 +26,32 @@ RUNNER = Path(__file__).resolve().parent / "engine_runner.py"
 # tolerance: the bytes are identical, only the kernels that consume them
 # (prefill vs. the short remaining chunk) differ.
 LOGPROB_TOLERANCE = 0.05
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "npu: needs an Ascend NPU (torch_npu): skipped without one, "
+                            "a failure with VLLM_AIO_REQUIRE_NPU=1")
+
+
+@pytest.hookimpl(tryfirst=True)  # before fixtures are set up: an engine fixture would start vLLM first
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("npu") is None or npu_available():
+        return
+    if os.environ.get("VLLM_AIO_REQUIRE_NPU") == "1":
+        pytest.fail("VLLM_AIO_REQUIRE_NPU=1 but no Ascend NPU is usable here (torch_npu missing, or "
+                    "torch.npu.is_available() is False)", pytrace=False)
+    pytest.skip("needs an Ascend NPU (torch_npu)")
+
+
+@functools.cache
+def npu_available() -> bool:
+    """Whether torch_npu imports (it registers the ``npu`` device with torch) and sees an NPU."""
+    try:
+        import torch
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    return torch.npu.is_available()
 
 
 def require(module: str):

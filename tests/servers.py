@@ -18,8 +18,8 @@ from pathlib import Path
 from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy
 
 # The migration routes are an endpoint plugin: VLLM_PLUGINS must name it, and
-# then also our general plugin (it is the allowlist of every plugin group).
-PLUGINS = "vllm_aio_buffer_plan,vllm_aio_migration"
+# then also our general plugins (it is the allowlist of every plugin group).
+PLUGINS = "vllm_aio_buffer_plan,vllm_aio_connector,vllm_aio_migration"
 SERVER_ARGS = ["--block-size", "32", "--max-model-len", "4096", "--enforce-eager", "--no-enable-prefix-caching",
                "--enable-prompt-tokens-details"]
 STARTUP_S = 420.0

@@ -43,6 +43,7 @@ SCRIPTS = {
     "migration": (("vllm", "mooncake"), "model"),
 }
 ENGINE_SCRIPTS = ("ttft", "mooncake_ttft", "migration")
+PLOTTED = "pool_bandwidth"  # a cheap script whose run also draws its plot (benchmarks/_report.plot)
 
 
 def missing(needs: tuple[str, ...]) -> str | None:
@@ -72,9 +73,11 @@ class Run:
     @classmethod
     def start(cls, script: str, out: Path, env: dict[str, str] | None = None) -> Run:
         log = out / f"{script}.log"
+        plot = ["--plot", str(out / f"{script}.png")] if script == PLOTTED else []
         with open(log, "w") as f:
             proc = subprocess.Popen(
-                [sys.executable, str(BENCHMARKS / f"{script}.py"), "--quick", "--json", str(out / f"{script}.json")],
+                [sys.executable, str(BENCHMARKS / f"{script}.py"), "--quick", "--json", str(out / f"{script}.json"),
+                 *plot],
                 cwd=ROOT, env={**os.environ, **(env or {})}, stdout=f, stderr=subprocess.STDOUT,
                 start_new_session=True)
         return cls(proc, log, out / f"{script}.json", time.monotonic() + TIMEOUT_S)
@@ -139,3 +142,5 @@ def test_quick_run(script: str, engine_runs: dict[str, Run], out: Path) -> None:
     assert run.proc.returncode == 0, f"{script}.py --quick exited {run.proc.returncode}:\n{output[-6000:]}"
     assert has_table(output, first_column), f"{script}.py --quick printed no table:\n{output[-6000:]}"
     assert run.results.exists(), f"{script}.py --quick wrote no {run.results}"
+    if script == PLOTTED:
+        assert (out / f"{script}.png").stat().st_size > 0, f"{script}.py --plot drew nothing:\n{output[-2000:]}"

@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 import torch
+from devices import CUDA, marks
 
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
@@ -28,7 +29,8 @@ from vllm_aio.pool.keys import Unit
 LAYERS, NUM_BLOCKS = ("l0", "l1", "l2"), 12
 SHAPES = {"block_major": (NUM_BLOCKS, 2, 16, 64), "kv_split": (2, NUM_BLOCKS, 16, 4, 16)}
 # "+direct": values move straight between pool slots and the cache.
-DEVICES = [d + path for d in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) for path in ("", "+direct")]
+# NPU: staged only (torch_npu cannot map host memory for kernels).
+DEVICES = [d + path for d in ["cpu", *CUDA] for path in ("", "+direct")] + ["npu"]
 EVERY_LAYER, LAYER_1 = Unit((0, 1, 2), None), Unit((1,), 1)
 
 
@@ -61,7 +63,7 @@ def refs(block_ids, tag="b"):
     return [BlockRef(b, f"{tag}{i}".encode()) for i, b in enumerate(block_ids)]
 
 
-@pytest.fixture(params=[(d, s) for d in DEVICES for s in SHAPES], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(params=[pytest.param((d, s), marks=marks(d), id=f"{d}-{s}") for d in DEVICES for s in SHAPES])
 def device_and_shape(request):
     return request.param[0], SHAPES[request.param[1]]
 

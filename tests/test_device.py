@@ -92,6 +92,20 @@ def test_registered_memory_is_page_locked_without_the_caching_allocator():
     assert torch.equal(view, src[:4096].cpu())
 
 
+@pytest.mark.npu
+def test_npu_host_memory_is_pinned_and_staged_not_mapped():
+    device = Device(torch.device("npu"))
+    memory = device.host_memory(4096)
+    assert memory.tensor.nbytes == 4096 and memory.tensor.is_pinned()
+    src = torch.arange(4096).to(torch.uint8).to("npu")
+    memory.tensor.copy_(src, non_blocking=True)
+    device.synchronize(device.record())
+    assert torch.equal(memory.tensor, src.cpu())
+    # torch_npu cannot wrap mapped host memory as a tensor: callers stage through page-locked buffers.
+    assert device.map_host(memory.tensor.data_ptr(), 4096) is None
+    memory.release()
+
+
 def _host_allocator_bytes() -> int | None:
     try:
         return int(torch.cuda.memory.host_memory_stats().get("active_bytes.current", 0))

@@ -27,7 +27,7 @@ from vllm_aio.devtools.serve import free_port, server_command, stop_server, wait
 from vllm_aio.migration.channel import MAX_BODY_BYTES, ControlServer, socket_path
 
 API_KEY = "test-key"
-VLLM_PLUGINS = "vllm_aio_buffer_plan,vllm_aio_migration"
+VLLM_PLUGINS = "vllm_aio_buffer_plan,vllm_aio_connector,vllm_aio_migration"
 # vLLM's connector factory logs this in each process that builds the connector.
 ENGINE_CORE_ENGINE_ID = re.compile(r"\(EngineCore[^)]*\).*Creating v1 connector .* engine_id: (\S+)")
 

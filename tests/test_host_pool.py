@@ -310,14 +310,17 @@ def test_still_valid_fails_once_the_slot_is_evicted_and_reused(name):
         pool.close()
 
 
-def test_usage_counts_ready_slots_bytes_and_evictions(name):
+def test_usage_counts_ready_slots_bytes_evictions_and_lookups(name):
     pool = SharedHostPool(name, SLOT, 2)
     try:
-        assert pool.usage() == host_pool.PoolUsage(num_slots=2, num_ready=0, slot_size=SLOT, evictions=0)
+        assert pool.usage() == host_pool.PoolUsage(num_slots=2, num_ready=0, slot_size=SLOT, evictions=0,
+                                                   lookups=0, hits=0)
         for key in "abc":
             store(pool, key, value(key))
+        assert load(pool, "c") == value("c") and load(pool, "a") is None  # "a" was evicted
         usage = pool.usage()
         assert (usage.num_ready, usage.evictions, usage.bytes_used) == (2, 1, 2 * SLOT)
+        assert (usage.lookups, usage.hits) == (2, 1)
     finally:
         pool.close()
 

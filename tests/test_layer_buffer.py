@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import CUDA, params
 from test_device import registered
 
 from vllm_aio import host_copy
@@ -21,7 +22,7 @@ from vllm_aio.connector.metadata import BufferStep
 
 NUM_BLOCKS, PAGE = 24, (2, 16, 32)  # [blocks, K/V, tokens, channels]
 PAGE_BYTES = 2 * 16 * 32 * 2  # bf16
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = params("cpu", *CUDA, "npu")
 # Staged only; in place only; runs of 3 blocks or more in place, the rest staged.
 COPIES = {"staged": 1 << 40, "in_place": 0, "mixed": 3 * PAGE_BYTES}
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from vllm_aio.config import ConfigError, parse_extra_config
 from vllm_aio.log import get_logger
+from vllm_aio.registration import selects_aio
 
 logger = get_logger(__name__)
 
@@ -71,7 +72,7 @@ def register() -> None:
 def dynamic_buffer_layers(vllm_config: Any) -> int:
     """S from the AioConnector's extra config; 0 when off or another connector runs."""
     transfer = vllm_config.kv_transfer_config
-    if transfer is None or not str(transfer.kv_connector_module_path or "").startswith("vllm_aio"):
+    if not selects_aio(transfer):
         return 0
     return parse_extra_config(transfer.kv_connector_extra_config).dynamic_buffer_layers
 

@@ -1,4 +1,5 @@
-"""vLLM loads the connector from here: ``kv_connector_module_path: vllm_aio.connector``.
+"""vLLM loads the connector from here: by its registered name ``AioConnector``
+(``vllm_aio/registration.py``) or by ``kv_connector_module_path: vllm_aio.connector``.
 
 ``AioConnector`` is imported on first access, so the torch-only parts of this
 package (block layout, staging, block I/O) import where vLLM is absent, as on

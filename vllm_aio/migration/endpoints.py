@@ -10,9 +10,9 @@ directory of mode 0700, so joining the two processes opens no new network port.
 
 Enabling it: vLLM loads an endpoint plugin only when ``VLLM_PLUGINS`` names it,
 and once ``VLLM_PLUGINS`` is set it is the allowlist of every plugin group, so
-it must name our general plugin too (comma-separated, no spaces)::
+it must name our general plugins too (comma-separated, no spaces)::
 
-    VLLM_PLUGINS=vllm_aio_buffer_plan,vllm_aio_migration
+    VLLM_PLUGINS=vllm_aio_buffer_plan,vllm_aio_connector,vllm_aio_migration
 
 plus any other plugin the deployment relies on (a platform plugin such as
 vLLM Ascend's, a LoRA resolver). The engine core then needs ``"migration": true``

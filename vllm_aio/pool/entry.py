@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 HEADER_BYTES = 64
 HASH_PREFIX_BYTES = 8  # the header's last field: the first bytes of the block hash
+NAMESPACE_PREFIX_BYTES = 20  # magic and namespace digest, the header's first fields
 _MAGIC = b"vaio"
 _SHARD_BYTES = 24
 _FORMAT = f"<4s16s{_SHARD_BYTES}siII{HASH_PREFIX_BYTES}s"
@@ -52,6 +53,18 @@ class EntryHeader:
             self.payload_bytes,
             block_hash[:8],
         )
+
+
+def namespace_prefix(namespace_digest: str) -> bytes:
+    """The bytes every value stored under ``namespace_digest`` starts with (NAMESPACE_PREFIX_BYTES of them)."""
+    return _MAGIC + namespace_digest.encode().ljust(16, b"\0")[:16]
+
+
+def namespace_of(prefix: bytes) -> str | None:
+    """The namespace digest a value's first NAMESPACE_PREFIX_BYTES name; None for a value with no header."""
+    if prefix[:4] != _MAGIC:
+        return None
+    return prefix[4:NAMESPACE_PREFIX_BYTES].rstrip(b"\0").decode(errors="replace")
 
 
 def describe(raw: bytes) -> str:

@@ -69,6 +69,8 @@ _EMPTY = -1
 # Header: fixed int64 fields, then the attached-pid table.
 _H_MAGIC, _H_SLOT_SIZE, _H_NUM_SLOTS, _H_TABLE_SIZE, _H_CLOCK = range(5)
 _H_NEXT_UNUSED, _H_EVICTIONS, _H_NUM_READY = range(5, 8)
+# Values looked up by key (pin_ids) and those found: counted from zero in a pool made before.
+_H_LOOKUPS, _H_HITS = 8, 9
 _H_FIELDS = 16
 
 
@@ -219,10 +221,66 @@ class PoolUsage:
     num_ready: int
     slot_size: int
     evictions: int
+    lookups: int  # values looked up by key, found or not
+    hits: int
 
     @property
     def bytes_used(self) -> int:
         return self.num_ready * self.slot_size
+
+
+def _usage(header: np.ndarray) -> PoolUsage:
+    return PoolUsage(int(header[_H_NUM_SLOTS]), int(header[_H_NUM_READY]), int(header[_H_SLOT_SIZE]),
+                     int(header[_H_EVICTIONS]), int(header[_H_LOOKUPS]), int(header[_H_HITS]))
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """A pool read without its lock (``vllm-aio pool``): each field exact, together roughly one moment."""
+
+    usage: PoolUsage
+    file_bytes: int
+    writing: int  # slots being written or reserved
+    pids: tuple[int, ...]  # attached processes alive now
+    dead_pids: int  # attached processes that died without detaching
+    prefixes: np.ndarray  # (READY values, prefix bytes): the first bytes of each stored value
+
+
+def snapshot(name: str, prefix_bytes: int = 0) -> PoolSnapshot:
+    """Read pool ``name`` through a read-only mapping: no lock, no pid entry, no LRU refresh.
+
+    Raises FileNotFoundError if there is no such pool, RuntimeError if the
+    file is not a pool of this version or not private to this user.
+    """
+    fd = _open_private(pool_path(name), os.O_RDONLY)
+    try:
+        raw = os.pread(fd, 8 * _H_FIELDS, 0)
+        head = np.frombuffer(raw[: len(raw) // 8 * 8], dtype=np.int64)
+        problem = _attach_problem(name, head, int(head[_H_SLOT_SIZE]) if len(head) == _H_FIELDS else 0)
+        if problem:
+            raise RuntimeError(problem)
+        layout = _Layout(int(head[_H_SLOT_SIZE]), int(head[_H_NUM_SLOTS]))
+        if os.fstat(fd).st_size < layout.file_bytes:
+            raise RuntimeError(f"{pool_path(name)} is shorter than its header says: not a whole pool")
+        mm = mmap.mmap(fd, layout.file_bytes, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    offsets = layout.offsets()
+
+    def view(name: str) -> np.ndarray:
+        offset, count, dtype = offsets[name]
+        return np.frombuffer(mm, dtype=dtype, count=count, offset=offset)
+
+    try:
+        header, state = view("header").copy(), view("state").copy()
+        ready = np.flatnonzero(state == READY)
+        prefixes = view("data").reshape(layout.num_slots, layout.slot_size)[ready, :prefix_bytes]  # a copy
+    finally:
+        mm.close()  # the views above are gone or copied
+    pids = [int(p) for p in header[_H_FIELDS:] if p]
+    alive = tuple(p for p in pids if _pid_alive(p))
+    return PoolSnapshot(_usage(header), layout.file_bytes, int(np.count_nonzero(state == WRITING)), alive,
+                        len(pids) - len(alive), prefixes)
 
 
 @dataclass
@@ -279,6 +337,13 @@ def pool_path(name: str) -> Path:
     return SHM_DIR / f"{_PREFIX}{name}"
 
 
+def names_on_host() -> tuple[set[str], set[str]]:
+    """(pool names, lock file names) in SHM_DIR, whoever made them."""
+    pools = {p.name[len(_PREFIX):] for p in SHM_DIR.glob(f"{_PREFIX}*")}
+    locks = {p.name[len(_LOCK_PREFIX):] for p in SHM_DIR.glob(f"{_LOCK_PREFIX}*")}
+    return pools, locks
+
+
 def slots_for(pool_bytes: int, slot_size: int) -> int:
     return max(1, pool_bytes // slot_size)
 
@@ -291,14 +356,15 @@ def lock_path(name: str) -> Path:
 class SharedHostPool:
     """Attach to (or create) the pool ``name``; values are ``slot_size`` bytes."""
 
-    def __init__(self, name: str, slot_size: int, num_slots: int) -> None:
+    def __init__(self, name: str, slot_size: int, num_slots: int, create: bool = True) -> None:
+        """``create=False``: attach only, FileNotFoundError if no pool of that name exists."""
         self.name = name
         self.path = pool_path(name)
         self._tlock = threading.Lock()
         self._lock_fd = self._open_current_lock()
         try:
             with self._locked():
-                created = self._map(slot_size, num_slots)
+                created = self._map(slot_size, num_slots, create)
                 self._add_pid(os.getpid())
                 if created:  # last: a sweeper only trusts pools that show a magic
                     self._header[_H_MAGIC] = _MAGIC
@@ -336,9 +402,11 @@ class SharedHostPool:
             if not self.path.exists():
                 lock_path(self.name).unlink(missing_ok=True)
 
-    def _map(self, slot_size: int, num_slots: int) -> bool:
-        """Map the pool, creating it if absent; True if created."""
+    def _map(self, slot_size: int, num_slots: int, create: bool) -> bool:
+        """Map the pool, creating it if absent and ``create``; True if created."""
         created = not os.path.lexists(self.path)  # a planted symlink is "there", and refused below
+        if created and not create:
+            raise FileNotFoundError(f"no pool {self.name!r} ({self.path})")
         if created:
             _sweep_dead_pools(exclude=self.path)
             layout = _Layout(slot_size, num_slots)
@@ -554,14 +622,20 @@ class SharedHostPool:
         # In slot order: a batch's values then lie back to back where they can,
         # so a direct load finds them in runs it moves by DMA (``connector/mapped_slots.py``).
         victims = np.sort(ready[np.argpartition(order, count - 1)[:count]])
-        for slot in victims.tolist():
+        self._drop_ready(victims.tolist())
+        return victims.tolist()
+
+    def _drop_ready(self, slots: list[int]) -> None:
+        """Take READY values out of the index and the block records; the caller decides the slots' state."""
+        for slot in slots:
             bucket, found = self._find(int(self._key_hi[slot]), int(self._key_lo[slot]))
             assert found == slot
             self._unindex(bucket)
-        self._count_parts(victims.tolist(), -1)
-        self._header[_H_EVICTIONS] += count
-        self._header[_H_NUM_READY] -= count
-        return victims.tolist()
+        self._count_parts(slots, -1)
+        # Counted as evictions: the eviction counter is the presence epoch (backends/local.py),
+        # which tells schedulers that values they counted may be gone.
+        self._header[_H_EVICTIONS] += len(slots)
+        self._header[_H_NUM_READY] -= len(slots)
 
     # ---- public API --------------------------------------------------------
     @property
@@ -569,8 +643,30 @@ class SharedHostPool:
         return self.layout.slot_size
 
     def usage(self) -> PoolUsage:
-        h = self._header
-        return PoolUsage(self.layout.num_slots, int(h[_H_NUM_READY]), self.slot_size, int(h[_H_EVICTIONS]))
+        return _usage(self._header)
+
+    def evict_values(self, prefix: bytes = b"", batch: int = 4096) -> int:
+        """Evict every READY value whose bytes start with ``prefix`` (all of them for ``b""``); how many went.
+
+        For ``vllm-aio pool clear`` on a pool in use: slots being written or
+        reserved are left alone, and a reader that pinned an evicted value sees
+        its slot changed, as after an LRU eviction. The lock is held for one
+        ``batch`` at a time, so running instances wait for a batch at most.
+        """
+        size, evicted, start = self.layout.slot_size, 0, 0
+        rows = self._data.reshape(self.layout.num_slots, size)
+        wanted = np.frombuffer(prefix, dtype=np.uint8)
+        while start < self.layout.num_slots:
+            stop = start + batch
+            with self._locked():
+                ready = start + np.flatnonzero(self._state[start:stop] == READY)
+                if len(wanted):
+                    ready = ready[(rows[ready, : len(wanted)] == wanted).all(axis=1)]
+                self._drop_ready(ready.tolist())
+                self._state[ready] = FREE
+            evicted += len(ready)
+            start = stop
+        return evicted
 
     def writing_slots(self) -> int:
         """Slots being written or reserved (a migration's slots until commit or watchdog)."""
@@ -675,6 +771,8 @@ class SharedHostPool:
             self._last_used[hits] = clock + 1 + np.arange(len(hits))  # one tick per hit, in order
             self._header[_H_CLOCK] = clock + len(hits)
             versions = np.where(hit, self._version[np.where(hit, slots, 0)], -1)
+            self._header[_H_LOOKUPS] += len(slots)
+            self._header[_H_HITS] += len(hits)
         return slots, versions
 
     def unchanged(self, slots: np.ndarray, versions: np.ndarray) -> np.ndarray:
