@@ -44,6 +44,7 @@ def new_name():
     for name in made:
         for path in SHM_DIR.glob(f"vllm_aio.{name}*"):
             path.unlink(missing_ok=True)
+        host_pool.lock_path(name).unlink(missing_ok=True)  # a refused attach leaves ours behind
 
 
 @pytest.fixture
