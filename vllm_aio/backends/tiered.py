@@ -54,7 +54,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from vllm_aio.backends.base import Backend, Memory, Segment, Status, check_memory
+from vllm_aio.backends.base import Backend, Memory, Segment, Status, check_memory, distinct_only
 from vllm_aio.log import get_logger
 from vllm_aio.pool.keys import BlockParts
 
@@ -120,6 +120,10 @@ class TieredBackend(Backend):
     # -- loads and saves --------------------------------------------------------
 
     def batch_get(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+        # A repeat is answered here: the tier asked second would see it alone and run it.
+        return distinct_only(self._get_distinct, keys, segments)
+
+    def _get_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
         statuses = self.local.batch_get(keys, segments)
         rest = [i for i, s in enumerate(statuses) if s is not Status.OK]
         hits = len(keys) - len(rest)
@@ -139,6 +143,9 @@ class TieredBackend(Backend):
         return statuses
 
     def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
+        return distinct_only(self._put_distinct, keys, segments)
+
+    def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
         statuses = self.local.batch_put(keys, segments)
         stored = [i for i, s in enumerate(statuses) if s is Status.OK]
         refused = [i for i, s in enumerate(statuses) if not s.stored]  # only the remote tier can keep these
