@@ -11,6 +11,8 @@ and an instance on another node still finds them in the shared one.
 - Load: from the local tier first, what it lacks (or could not read) from the
   remote tier, and every remote hit is put into the local tier right away
   (from the segments the get just filled), so the next load on this host is local.
+  The connector checks a value's entry header after the get, so a foreign
+  value is promoted too, and refused from the local tier as from the remote.
 - Save: into the local tier at once; to the remote tier either in the
   background (``_RemoteWriter``: a bounded queue of keys, each value read back
   from the local tier when its turn comes) or before the save returns
