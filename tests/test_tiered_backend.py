@@ -11,6 +11,7 @@ The contract every backend keeps is checked for the tiered store too, in
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import threading
 import time
 import uuid
@@ -121,7 +122,7 @@ class Epoch(MemoryBackend):
 # ---- lookups -------------------------------------------------------------------
 
 PARTS = BlockParts("ns", ("s0", "s1"), (None,))
-HASHES = [bytes([i]) * 32 for i in range(6)]
+HASHES = [hashlib.sha256(bytes([i])).digest() for i in range(6)]  # uniform, as vLLM's
 
 
 def store(backend: MemoryBackend, block: int) -> None:
@@ -137,6 +138,17 @@ def test_a_block_hits_when_every_part_is_in_one_tier_or_the_other():
         store(remote, block)
     # block 3 is in neither tier: the prefix stops there, block 4 does not count
     assert tiered(local, remote).count_complete_blocks(PARTS, HASHES) == 3
+
+
+def test_layerwise_blocks_hit_across_tiers_on_the_embedded_pool(local_pool: Backend):
+    parts = BlockParts("0123456789abcdef", ("pp0.dcp0.h0", "pp0.dcp0.h1"), (0, 1, 2))  # 6 values a block
+    remote = MemoryBackend(VALUE)
+    values = Values(parts.count)
+    for tier, block in ((local_pool, 0), (remote, 1), (local_pool, 2)):
+        tier.batch_put(parts.keys(HASHES[block]), values.segments(values.src))
+    partial = parts.keys(HASHES[3])[:-1]  # the last layer of block 3 is stored nowhere
+    local_pool.batch_put(partial, values.segments(values.src)[:-1])
+    assert tiered(local_pool, remote).count_complete_blocks(parts, HASHES) == 3
 
 
 def test_a_block_split_between_the_tiers_is_a_miss():
