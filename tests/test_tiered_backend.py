@@ -3,7 +3,8 @@
 Tiers are the in-memory reference backend (``memory_backend.py``) where the
 behaviour is the tiered store's own, the embedded pool where its exactness
 matters, and a real Mooncake pool on loopback for a master that dies and
-comes back (``mooncake_fixtures.py``: under ``CI`` a missing prerequisite fails).
+comes back (``mooncake_fixtures.py``: under ``CI`` a missing prerequisite fails),
+and Memcache over its fake client (``memcache_fake.py``).
 The contract every backend keeps is checked for the tiered store too, in
 ``test_backend_contract.py``.
 """
@@ -19,9 +20,11 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
+from memcache_fake import FakeDistributedObjectStore, FakeMetaPort, FakeMetaService, write_local_conf
 from memory_backend import MemoryBackend
 from vllm_aio.backends import Backend, Segment, Status
 from vllm_aio.backends.local_settings import LocalSettings
+from vllm_aio.backends.memcache import MemcacheBackend
 from vllm_aio.backends.tiered import TieredBackend
 from vllm_aio.backends.tiered_settings import TieredSettings
 from vllm_aio.config import ConfigError, parse_extra_config
@@ -376,3 +379,26 @@ def test_bad_settings_fail_at_start_naming_the_key_and_what_is_accepted(extra: d
 def test_tiered_keys_with_another_backend_name_the_tiered_store():
     with pytest.raises(ConfigError, match='remote_write: tiered store settings need backend "tiered"'):
         parse_extra_config({"backend": "local", "remote_write": "through"}, environ={})
+
+
+def test_memcache_as_the_remote_tier_serves_another_nodes_load(tmp_path, local_pool: Backend):
+    # Memcache's client is the fake (memcache_fake.py): the real one needs an Ascend driver.
+    port = FakeMetaPort()
+    try:
+        conf = write_local_conf(tmp_path / "mmc-local.conf", port.port, port.port)
+        settings = parse_extra_config({"backend": "tiered", "remote_backend": "memcache", "device_id": 0},
+                                      environ={"MMC_LOCAL_CONFIG_PATH": str(conf)}).backend_settings
+        store = FakeDistributedObjectStore(FakeMetaService())
+        remote = MemcacheBackend(settings.remote, value_bytes=VALUE, store_factory=lambda: store)
+        writer = tiered(MemoryBackend(VALUE), remote, write_through=True)
+        reader = tiered(local_pool, remote)  # another node: its own local tier
+        values, ks = Values(2), keys(2)
+        writer.register_memory(ctypes.addressof(values.src), 2 * VALUE)
+        reader.register_memory(ctypes.addressof(values.dst), 2 * VALUE)
+        assert writer.batch_put(ks, values.segments(values.src)) == [Status.OK] * 2
+        assert reader.batch_exists(ks) == [True, True]
+        assert reader.batch_get(ks, values.segments(values.dst)) == [Status.OK] * 2
+        assert values.loaded(0) and values.loaded(1) and local_pool.batch_exists(ks) == [True, True]
+        remote.close()
+    finally:
+        port.down()
