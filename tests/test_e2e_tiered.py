@@ -1,7 +1,8 @@
 """End to end on real vLLM (CPU build): the tiered store, a named embedded pool per "node"
 in front of a real Mooncake pool on loopback (``mooncake_fixtures.py``).
 
-One test, four engines, to stay cheap: instance A computes; while it idles,
+One test, three engines (and the suite's no-connector baseline), to stay cheap:
+instance A computes; while it idles,
 B (same host: A's named local pool) hits the local tier, C (another node: a
 local pool of its own) hits the remote tier and, on its next pass, its own
 local tier; then the master is killed and A's warm pass still hits locally.
