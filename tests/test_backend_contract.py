@@ -4,7 +4,8 @@
 - ``memory``: the in-memory reference backend (``memory_backend.py``);
 - ``mooncake``: a real master and memory owner on loopback (``mooncake_fixtures.py``;
   under ``CI`` a missing prerequisite fails, elsewhere it skips);
-- ``memcache``: the Memcache backend over its fake client (``memcache_fake.py``).
+- ``memcache``: the Memcache backend over its fake client (``memcache_fake.py``);
+- ``tiered``: the embedded pool in front of the in-memory backend (``backends/tiered.py``).
 
 Each backend is opened as the connector opens it (its settings' ``open``, for a
 pool of values of one size), except Memcache, whose client is the fake.
@@ -28,11 +29,12 @@ from vllm_aio.backends import Backend, Memory, Segment, Status
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache import MemcacheBackend
 from vllm_aio.backends.memcache_settings import MemcacheSettings
+from vllm_aio.backends.tiered import TieredBackend
 from vllm_aio.pool.keys import BlockParts
 
 pytest_plugins = ["mooncake_fixtures"]
 
-KINDS = ("local", "memory", "mooncake", "memcache")
+KINDS = ("local", "memory", "mooncake", "memcache", "tiered")
 UNTOUCHED = 0xEE  # what a destination holds before a get
 
 Opener = Callable[..., Backend]  # (value_bytes, shared=True) -> an open backend
@@ -72,6 +74,11 @@ def open_backend(request: pytest.FixtureRequest, tmp_path: Path,
                 f"contract-{uuid.uuid4().hex[:12]}", value_bytes, for_scheduler=False)
         elif kind == "memory":
             backend = MemoryBackend(value_bytes)
+        elif kind == "tiered":
+            local = LocalSettings(local_pool_size=64 * value_bytes).open(
+                f"contract-{uuid.uuid4().hex[:12]}", value_bytes, for_scheduler=False)
+            backend = TieredBackend(local, MemoryBackend(value_bytes), value_bytes, "memory",
+                                    write_through=False, queue_size=64)
         elif kind == "mooncake":
             backend = mooncake_settings.open("unused", value_bytes, for_scheduler=False)
         else:

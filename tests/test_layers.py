@@ -19,6 +19,7 @@ SCHEDULER_HALF = (
     "vllm_aio.pool.ownership",
     "vllm_aio.pool.entry",
     "vllm_aio.backends",
+    "vllm_aio.backends.tiered",
     "vllm_aio.connector.metadata",
     "vllm_aio.connector.deployment",
     "vllm_aio.connector.scheduler",

@@ -200,7 +200,11 @@ def parse_extra_config(
 
 def _check_keys(extra: Mapping[str, Any], general: list[str], chosen: type[BackendSettings]) -> None:
     """Every key is general or the chosen backend's; another backend's key names that backend."""
-    owners = {key: s for s in SETTINGS.values() if s is not chosen for key in s.keys if key not in chosen.keys}
+    owners: dict[str, type[BackendSettings]] = {}
+    for s in SETTINGS.values():  # a key of several backends (the tiered store's) names the first: its own
+        for key in s.keys:
+            if s is not chosen and key not in chosen.keys:
+                owners.setdefault(key, s)
     unknown = sorted(set(extra) - set(general) - set(chosen.keys) - set(owners))
     if unknown:
         raise ConfigError(

@@ -16,13 +16,16 @@ from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache_settings import MemcacheSettings
 from vllm_aio.backends.mooncake_settings import MooncakeSettings
 from vllm_aio.backends.settings import BackendSettings
+from vllm_aio.backends.tiered_settings import TieredSettings
 
 if TYPE_CHECKING:
     from vllm_aio.config import AioConfig
 
 __all__ = ["SETTINGS", "Backend", "BackendSettings", "Memory", "Segment", "SlotStore", "Status", "create_backend"]
 
-SETTINGS: dict[str, type[BackendSettings]] = {s.name: s for s in (LocalSettings, MooncakeSettings, MemcacheSettings)}
+SETTINGS: dict[str, type[BackendSettings]] = {
+    s.name: s for s in (LocalSettings, MooncakeSettings, MemcacheSettings, TieredSettings)
+}
 
 
 def create_backend(cfg: AioConfig, pool_name: str, value_bytes: int, for_scheduler: bool) -> Backend:

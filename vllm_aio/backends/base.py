@@ -165,6 +165,11 @@ class Backend(ABC):
         None: the values are this instance's own (the default)."""
         return None
 
+    def take_counters(self) -> dict[str, int]:
+        """What the backend counted since the last call, by names of ``connector/stats.py``'s
+        ``COUNTERS`` (e.g. which tier served a hit); the worker adds them to its stats."""
+        return {}
+
     def describe(self) -> str:
         """One line for the start-up log: where the values go (pool, service, protocol, ...)."""
         return type(self).__name__

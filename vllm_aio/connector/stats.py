@@ -20,6 +20,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+# The tiered store's (backends/tiered.py): values loaded from each tier, and
+# values saved in the local tier that never reached the remote one.
+TIER_COUNTERS = ("local_tier_hits", "remote_tier_hits", "remote_tier_dropped")
 COUNTERS = (
     "hit_tokens",
     "miss_tokens",
@@ -33,6 +36,7 @@ COUNTERS = (
     "save_seconds",
     "save_skipped",
     "save_failures",
+    *TIER_COUNTERS,
 )
 
 
@@ -70,6 +74,7 @@ class AioConnectorStats(KVConnectorStats):
             "save_GBps": _rate(d["save_bytes"], d["save_seconds"]),
             "load_failures": d["load_failures"],
             "save_failures": d["save_failures"],
+            **{name: d[name] for name in TIER_COUNTERS if d[name]},  # only where a tiered store counts
         }
 
 

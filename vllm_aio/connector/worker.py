@@ -157,6 +157,7 @@ class AioWorker:
 
     def take_stats(self) -> AioConnectorStats | None:
         with self._stats_lock:
+            self.stats.add(**self._backend.take_counters())
             if self.stats.is_empty():
                 return None
             stats, self.stats = self.stats, AioConnectorStats()

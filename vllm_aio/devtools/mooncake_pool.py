@@ -155,6 +155,11 @@ class MooncakePool:
             self.master.kill()
             self.master.wait()
 
+    def restart_master(self) -> None:
+        """Start the master again on its port, after ``kill_master`` (clients reconnect by themselves)."""
+        self.master = self._spawn("master", [find_binary("mooncake_master"), *self._master_argv()])
+        self._wait_listening(self.master, "master", self.rpc_port)
+
     def kill_client(self) -> None:
         """SIGKILL the memory owner (fault injection in tests)."""
         if self.client and self.client.poll() is None:
