@@ -88,8 +88,8 @@ class Down(MemoryBackend):
     def batch_get(self, keys, segments):
         return [Status.ERROR] * len(keys) if self._gone() else super().batch_get(keys, segments)
 
-    def batch_put(self, keys, segments):
-        return [Status.ERROR] * len(keys) if self._gone() else super().batch_put(keys, segments)
+    def batch_put(self, keys, segments, retention=0):
+        return [Status.ERROR] * len(keys) if self._gone() else super().batch_put(keys, segments, retention)
 
 
 class Held(MemoryBackend):
@@ -100,16 +100,16 @@ class Held(MemoryBackend):
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def batch_put(self, keys, segments):
+    def batch_put(self, keys, segments, retention=0):
         self.entered.set()
         assert self.release.wait(30)
-        return super().batch_put(keys, segments)
+        return super().batch_put(keys, segments, retention)
 
 
 class Full(MemoryBackend):
     """A local tier that takes nothing."""
 
-    def batch_put(self, keys, segments):
+    def batch_put(self, keys, segments, retention=0):
         return [Status.NO_SPACE] * len(keys)
 
 
@@ -265,6 +265,28 @@ def test_write_through_puts_the_remote_tier_before_the_save_returns():
     backend = tiered(remote=remote, write_through=True)
     assert backend.batch_put(ks, values.segments(values.src)) == [Status.OK] * 2
     assert remote.batch_exists(ks) == [True, True]
+
+
+class Classes(MemoryBackend):
+    """Records the retention class of every put."""
+
+    def __init__(self) -> None:
+        super().__init__(VALUE)
+        self.classes: list[int] = []
+
+    def batch_put(self, keys, segments, retention=0):
+        self.classes += [retention] * len(keys)
+        return super().batch_put(keys, segments, retention)
+
+
+@pytest.mark.parametrize("write_through", [False, True], ids=["background", "through"])
+def test_both_tiers_store_a_value_in_its_requests_retention_class(write_through: bool):
+    local, remote, values, ks = Classes(), Classes(), Values(3), keys(3)
+    backend = tiered(local, remote, write_through=write_through)
+    assert backend.batch_put(ks[:2], values.segments(values.src, [0, 1]), retention=2) == [Status.OK] * 2
+    assert backend.batch_put(ks[2:], values.segments(values.src, [2])) == [Status.OK]
+    assert backend.flush(30)
+    assert local.classes == [2, 2, 0] and sorted(remote.classes) == [0, 2, 2]
 
 
 def test_a_value_the_local_tier_refuses_goes_to_the_remote_tier_during_the_save():

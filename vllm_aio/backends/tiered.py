@@ -51,6 +51,7 @@ pool alone.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -144,17 +145,17 @@ class TieredBackend(Backend):
         self._count(local_tier_hits=hits, remote_tier_hits=len(promoted))
         return statuses
 
-    def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
-        return distinct_only(self._put_distinct, keys, segments)
+    def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], retention: int = 0) -> list[Status]:
+        return distinct_only(functools.partial(self._put_distinct, retention=retention), keys, segments)
 
-    def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
-        statuses = self.local.batch_put(keys, segments)
+    def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], retention: int) -> list[Status]:
+        statuses = self.local.batch_put(keys, segments, retention)
         stored = [i for i, s in enumerate(statuses) if s is Status.OK]
         refused = [i for i, s in enumerate(statuses) if not s.stored]  # only the remote tier can keep these
         now = sorted(stored + refused) if self._write_through else refused
         if now:
             answers = self._remote_or("save", [Status.ERROR] * len(now), lambda: self.remote.batch_put(
-                [keys[i] for i in now], [segments[i] for i in now]))
+                [keys[i] for i in now], [segments[i] for i in now], retention))
             local_only = 0
             for i, status in zip(now, answers):
                 if statuses[i].stored:
@@ -163,7 +164,7 @@ class TieredBackend(Backend):
                     statuses[i] = status
             self._count(remote_tier_dropped=local_only)
         if stored and not self._write_through:
-            self._writer_for().offer([keys[i] for i in stored])
+            self._writer_for().offer([keys[i] for i in stored], retention)
         return statuses
 
     def flush(self, timeout: float) -> bool:
@@ -260,17 +261,17 @@ class _RemoteWriter:
         self._address = ctypes.addressof(self._buffer)
         remote.register_memory(self._address, self._batch * value_bytes)
         self._cond = threading.Condition()
-        self._keys: deque[str] = deque()  # waiting; guarded by _cond, as _busy and _closing
+        self._keys: deque[tuple[str, int]] = deque()  # (key, retention) waiting; guarded by _cond, as _busy and _closing
         self._busy = 0  # keys taken by the thread, not written yet
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="vllm_aio-remote-tier", daemon=True)
         self._thread.start()
 
-    def offer(self, keys: list[str]) -> None:
+    def offer(self, keys: list[str], retention: int) -> None:
         """Queue what fits; never waits."""
         with self._cond:
             room = 0 if self._closing else max(0, self._capacity - len(self._keys))
-            self._keys.extend(keys[:room])
+            self._keys.extend((key, retention) for key in keys[:room])
             self._cond.notify_all()
         if len(keys) > room:
             self._dropped(len(keys) - room)
@@ -309,12 +310,15 @@ class _RemoteWriter:
                     self._busy = 0
                     self._cond.notify_all()
 
-    def _write(self, keys: list[str]) -> int:
-        """Local tier -> buffer -> remote tier; how many values did not get there."""
+    def _write(self, entries: list[tuple[str, int]]) -> int:
+        """Local tier -> buffer -> remote tier, a put per retention class; how many values did not get there."""
         n = self._value_bytes
+        keys = [key for key, _ in entries]
         segments = [[(self._address + i * n, n)] for i in range(len(keys))]
         ready = [i for i, s in enumerate(self._local.batch_get(keys, segments)) if s is Status.OK]
-        if not ready:  # all evicted from the local tier before their turn
-            return len(keys)
-        put = self._remote.batch_put([keys[i] for i in ready], [segments[i] for i in ready])
-        return len(keys) - sum(s.stored for s in put)
+        stored = 0
+        for retention in sorted({entries[i][1] for i in ready}):  # none: all evicted from the local tier
+            chosen = [i for i in ready if entries[i][1] == retention]
+            put = self._remote.batch_put([keys[i] for i in chosen], [segments[i] for i in chosen], retention)
+            stored += sum(s.stored for s in put)
+        return len(keys) - stored
