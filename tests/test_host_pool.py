@@ -22,7 +22,7 @@ import pytest
 
 from vllm_aio.pool import host_pool
 from vllm_aio.pool.host_pool import SHM_DIR, SharedHostPool, namespace_groups, pool_path, slots_for
-from vllm_aio.pool.keys import BlockParts
+from vllm_aio.pool.keys import BlockParts, block_key
 
 SLOT = 64
 
@@ -662,23 +662,38 @@ def test_a_block_key_is_found_from_its_hash_alone(name):
         pool.close()
 
 
-def test_block_key_ids_tell_apart_hashes_with_structure():
-    from vllm_aio.pool.host_pool import value_ids
+STRUCTURED = [b"A" * 16 + b"B" * 16, b"B" * 16 + b"A" * 16, b"A" * 32, b"B" * 32, b"ab", b"ab\0"]
+# swapped halves, equal halves, padding; then the equal words that once made block records collide
+STRUCTURED += [bytes([i]) * 32 for i in range(6)]
+ID_FUNCTIONS = {
+    "value_ids": lambda hashes: host_pool.value_ids("0123456789abcdef", "pp0.dcp0.h0", 0, hashes),
+    "block_records": lambda hashes: namespace_groups("0123456789abcdef", False, hashes),
+}
 
-    a, b = b"A" * 16, b"B" * 16
-    hashes = [a + b, b + a, a + a, b + b, b"ab", b"ab\0"]  # swapped halves, equal halves, padding
-    ids = value_ids("0123456789abcdef", "pp0.dcp0.h0", 0, hashes)
-    assert len(set(zip(ids.hi.tolist(), ids.lo.tolist()))) == len(hashes)
+
+@pytest.mark.parametrize("ids_of", ID_FUNCTIONS.values(), ids=ID_FUNCTIONS.keys())
+def test_ids_tell_apart_hashes_with_structure(ids_of):
+    ids = ids_of(STRUCTURED)
+    assert len(set(zip(ids.hi.tolist(), ids.lo.tolist()))) == len(STRUCTURED)
 
 
-def test_a_block_key_id_does_not_depend_on_the_rest_of_its_batch():
-    from vllm_aio.pool.host_pool import value_ids
-
+@pytest.mark.parametrize("ids_of", ID_FUNCTIONS.values(), ids=ID_FUNCTIONS.keys())
+def test_an_id_does_not_depend_on_the_rest_of_its_batch(ids_of):
     hashes = [f"req:{i}".encode() for i in (0, 10, 100, 1000)] + [hashlib.sha256(b"x").digest()]
-    together = value_ids("0123456789abcdef", "pp0.dcp0.h0", None, hashes)
+    together = ids_of(hashes)
     for i, h in enumerate(hashes):
-        alone = value_ids("0123456789abcdef", "pp0.dcp0.h0", None, [h])
+        alone = ids_of([h])
         assert (alone.hi[0], alone.lo[0]) == (together.hi[i], together.lo[i])
+
+
+def test_a_block_with_structured_hash_is_complete_only_once_stored(name):
+    pool = SharedHostPool(name, SLOT, 16)
+    try:
+        hashes = [bytes([i]) * 32 for i in range(6)]
+        pool.commit(pool.reserve([block_key("0123456789abcdef", "pp0.dcp0.h0", hashes[0])]))
+        assert pool.complete_blocks(namespace_groups("0123456789abcdef", False, hashes), 1) == 1
+    finally:
+        pool.close()
 
 
 # ---- files another local user may have planted ---------------------------------------

@@ -98,25 +98,39 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def block_groups(salts: np.ndarray, hashes: Sequence[bytes]) -> BlockGroups:
-    """The record ids of blocks: their hashes folded to 128 bits, xor their groups' salts, mixed.
+def _mixed_ids(salt: np.ndarray, hashes: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Two 64-bit ids per hash from its bytes and ``salt`` (``(2,)``), in numpy, with no hash call.
 
-    No per-block hash call: vLLM's block hashes are already uniform 32-byte
-    digests, so ids come from their bytes in a few numpy operations (a 128k
-    token prompt's 8,192 blocks in well under a millisecond). ``salts`` is one
-    ``(2,)`` salt or one per block. Shorter hashes are padded with zeros.
+    Every word of the hash goes through ``_mix`` in turn (an xor fold would
+    let hashes with structure collide: equal or swapped words), with the
+    hash's length in the seed. Grouped by length, so an id never depends on
+    the other hashes of the batch (vLLM's are all one size).
     """
-    if not hashes:
-        return BlockGroups(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-    sizes = set(map(len, hashes))
-    width = max(16, -(-max(sizes) // 16) * 16)
-    raw = b"".join(hashes) if sizes == {width} else b"".join(h.ljust(width, b"\0") for h in hashes)
-    words = np.frombuffer(raw, dtype=_U64).reshape(len(hashes), width // 8)
-    folded = np.stack([np.bitwise_xor.reduce(words[:, 0::2], axis=1),
-                       np.bitwise_xor.reduce(words[:, 1::2], axis=1)], axis=1) ^ salts
-    hi = folded[:, 0] | np.uint64(1)
-    lo = _mix(folded[:, 1] ^ hi)
-    return BlockGroups(hi.view(np.int64), lo.view(np.int64))
+    sizes = np.fromiter(map(len, hashes), dtype=np.int64, count=len(hashes))
+    hi, lo = np.zeros(len(hashes), dtype=np.uint64), np.zeros(len(hashes), dtype=np.uint64)
+    for size in np.unique(sizes).tolist():
+        at = np.flatnonzero(sizes == size)
+        width = -(-size // 8) * 8
+        if len(at) == len(hashes) and size == width:  # the common case: one size, whole words
+            raw = b"".join(hashes)
+        else:
+            raw = b"".join(hashes[i].ljust(width, b"\0") for i in at.tolist())
+        words = np.frombuffer(raw, dtype=_U64).reshape(len(at), width // 8)
+        h, l_ = np.full(len(at), salt[0] ^ np.uint64(size)), np.full(len(at), salt[1] ^ np.uint64(size << 32))
+        for k in range(words.shape[1]):
+            h = _mix(h ^ words[:, k])
+            l_ = _mix(l_ ^ words[:, k] ^ h)
+        hi[at], lo[at] = h, l_
+    return hi, lo
+
+
+def block_groups(salt: np.ndarray, hashes: Sequence[bytes]) -> BlockGroups:
+    """The record ids of blocks: their hashes mixed with their groups' salt (``_mixed_ids``).
+
+    A 128k-token prompt's 8,192 blocks take well under a millisecond.
+    """
+    hi, lo = _mixed_ids(salt, hashes)
+    return BlockGroups((hi | np.uint64(1)).view(np.int64), lo.view(np.int64))
 
 
 def namespace_groups(namespace_digest: str, layered: bool, hashes: Sequence[bytes]) -> BlockGroups:
@@ -151,29 +165,8 @@ def _value_salt(namespace_digest: str, shard: str, tag: int | None) -> np.ndarra
 
 def value_ids(namespace_digest: str, shard: str, tag: int | None, hashes: Sequence[bytes]) -> BlockGroups:
     """The index ids of the block keys ``block_key(namespace_digest, shard, hash, tag)``, computed
-    from the hashes' bytes in numpy (no string and no hash call per key): what the direct path pins.
-
-    An id names the bytes a reader gets, so every word of the hash goes
-    through ``_mix`` in turn (not an xor fold, under which hashes with
-    structure, e.g. test names, collided), with the hash's length in the seed.
-    """
-    salt = _value_salt(namespace_digest, shard, tag)
-    sizes = np.fromiter(map(len, hashes), dtype=np.int64, count=len(hashes))
-    hi, lo = np.zeros(len(hashes), dtype=np.uint64), np.zeros(len(hashes), dtype=np.uint64)
-    # By length: an id must not depend on the other hashes of the batch (vLLM's are all one size).
-    for size in np.unique(sizes).tolist():
-        at = np.flatnonzero(sizes == size)
-        width = -(-size // 8) * 8
-        if len(at) == len(hashes) and size == width:  # the common case: one size, whole words
-            raw = b"".join(hashes)
-        else:
-            raw = b"".join(hashes[i].ljust(width, b"\0") for i in at.tolist())
-        words = np.frombuffer(raw, dtype=_U64).reshape(len(at), width // 8)
-        h, l_ = np.full(len(at), salt[0] ^ np.uint64(size)), np.full(len(at), salt[1] ^ np.uint64(size << 32))
-        for k in range(words.shape[1]):
-            h = _mix(h ^ words[:, k])
-            l_ = _mix(l_ ^ words[:, k] ^ h)
-        hi[at], lo[at] = h, l_
+    from the hashes' bytes in numpy (no string and no hash call per key): what the direct path pins."""
+    hi, lo = _mixed_ids(_value_salt(namespace_digest, shard, tag), hashes)
     return BlockGroups(hi.view(np.int64), lo.view(np.int64))
 
 
