@@ -31,6 +31,8 @@ from vllm_aio.pool.host_pool import SharedHostPool
 from vllm_aio.pool.keys import BlockParts
 from vllm_aio.pool.ownership import Ownership
 
+pytest_plugins = ["mooncake_fixtures"]
+
 TIMEOUT = 30.0
 
 
@@ -251,6 +253,26 @@ def test_scheduler_events_over_the_pool_store_then_remove(local):
     put_block(backend, parts, digest("y"))
     put_block(backend, parts, digest("x"))
     assert events.take(parts) == [Removed(req.block_hashes[:1])]
+
+
+def test_mooncake_lookup_finding_an_announced_block_missing_reports_it_removed(mooncake_backend):
+    # Mooncake's client says nothing of evictions: only a lookup can tell. Block 1
+    # is reported saved but was never put, as if the master had evicted it since.
+    assert mooncake_backend.block_watch() is None
+    events = KVEvents(BS, None, TIMEOUT)
+    sched = AioScheduler(deployment(), mooncake_backend, events)
+    value = (ctypes.c_char * 4096)()
+    mooncake_backend.register_memory(ctypes.addressof(value), 4096)
+    req = TokReq(uuid.uuid4().hex, 3 * BS)  # keys unique to this test on the session's pool
+    for block_hash in (req.block_hashes[0], req.block_hashes[2]):
+        keys = sched.parts.keys(block_hash)
+        assert all(s.stored for s in mooncake_backend.batch_put(keys, [[(ctypes.addressof(value), 4096)]] * len(keys)))
+    events.expect(req, 0, 3)
+    events.saved([report(s, req.block_hashes) for s in sched.parts.shards], sched.parts)
+    [stored] = events.take(sched.parts)
+    assert stored.block_hashes == req.block_hashes
+    assert sched.get_num_new_matched_tokens(req, 0) == (BS, False)
+    assert events.take(sched.parts) == [Removed(req.block_hashes[1:2])]
 
 
 # ---- the worker reports settled saves ------------------------------------------------
