@@ -193,6 +193,8 @@ class KVEvents:
         """The confirmed blocks not announced before; with a watch, only those complete now."""
         confirmed, self._confirmed = self._confirmed, []
         pending = [self._pending.pop(h) for h in confirmed if h in self._pending]
+        if not pending:  # most steps: no pool lock taken
+            return []
         if self._watch is not None:
             fresh = set(self._watch.add(parts, [p.event.block_hashes[0] for p in pending]))
             return [p.event for p in pending if p.event.block_hashes[0] in fresh]
