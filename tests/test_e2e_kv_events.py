@@ -7,6 +7,8 @@ One engine, three rounds: a prompt is stored (``BlockStored``, medium
 ``LOCAL_POOL``, one event per block, its tokens), a longer prompt fills the
 small pool and evicts it (``BlockRemoved``), and a last round (no full block)
 keeps the engine up until the test has seen the removal.
+The events of a prompt's blocks travel with the engine's next steps: its
+decode steps (``max_tokens``) carry them.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def test_pool_blocks_are_published_stored_then_removed_after_eviction(engine, su
 
     config = aio_config(local_pool_size=POOL_SLOTS * _value_bytes(tiny_model))
     engine.run(
-        [[first], [filler], [last]], config, between_rounds=between_rounds, max_tokens=4,
+        [[first], [filler], [last]], config, between_rounds=between_rounds, max_tokens=8,
         kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": subscriber.endpoint},
     )
     stored = _ours(subscriber.events, "BlockStored")

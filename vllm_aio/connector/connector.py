@@ -157,10 +157,6 @@ class AioConnector(KVConnectorBase_V1):
             return ()
         return to_vllm(self._events.take(self._scheduler.parts), self._medium)
 
-    def has_pending_push_work(self) -> bool:
-        # Reports of saves come with steps: keep stepping until every shard's arrived.
-        return self._events is not None and self._events.waiting()
-
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 

@@ -14,7 +14,9 @@ scheduler, a single process, collects the shards per block and announces the
 block once, when the last shard arrives: a router sees one ``BlockStored`` per
 block however many ranks stored it. The event's payload (tokens, parent hash,
 LoRA) is taken from the request when its save is planned (``expect``), because
-the request may have finished by the time the parts are reported.
+the request may have finished by the time the parts are reported. Reports
+travel with steps (vLLM's connector output), so a save that settles after an
+engine's last step is announced at its next step.
 
 Removed. Where the store can watch blocks (``Backend.block_watch``: the
 embedded pool's eviction log, read in this process whichever process evicted),
@@ -162,10 +164,6 @@ class KVEvents:
         if self._watch is None and block_hash in self._remote:
             del self._remote[block_hash]
             self._removed.append(block_hash)
-
-    def waiting(self) -> bool:
-        """Saves not yet reported by every shard: vLLM keeps stepping so that their reports arrive."""
-        return bool(self._pending)
 
     def take(self, parts: BlockParts) -> list[Stored | Removed]:
         """The events since the last call (vLLM's ``take_events``, once per step)."""
