@@ -287,8 +287,8 @@ class _FailingLayer0(LocalBackend):
     def slots(self):
         return None
 
-    def batch_put(self, keys, segments):
-        out = super().batch_put(keys, segments)
+    def batch_put(self, keys, segments, retention=0):
+        out = super().batch_put(keys, segments, retention)
         return [Status.ERROR if k.endswith(":L0") and bytes.fromhex(k.split(":")[3]) in self.bad else s
                 for k, s in zip(keys, out)]
 
