@@ -171,6 +171,22 @@ def test_scheduler_expects_the_saves_it_plans_and_reports_lookup_misses():
     assert events.take(sched.parts) == [Removed(req.block_hashes[1:2])]
 
 
+def test_blocks_of_a_preempted_request_copied_out_are_announced_too(monkeypatch):
+    from test_scheduler import _decoded_for_a_while
+
+    monkeypatch.setattr(Req, "all_token_ids", property(lambda r: list(range(r.num_tokens))), raising=False)
+    monkeypatch.setattr(Req, "lora_request", None, raising=False)
+    events = KVEvents(BS, None, TIMEOUT)
+    sched = AioScheduler(deployment(), DictBackend(), events)
+    req = _decoded_for_a_while(sched)
+    events.take(sched.parts)  # the prompt's blocks: never reported here
+    meta = sched.build_connector_meta(step(preempted=["a"]))
+    events.saved([report(shards(deployment())[0], req.block_hashes[2:4])], sched.parts)
+    [stored] = events.take(sched.parts)
+    assert [list(t.block_ids) for t in meta.rescues] == [[3, 4]]
+    assert (stored.block_hashes, stored.token_ids) == (req.block_hashes[2:4], list(range(2 * BS, 4 * BS)))
+
+
 # ---- the embedded pool's watch -----------------------------------------------------
 @pytest.fixture
 def local():
