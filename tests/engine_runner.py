@@ -39,6 +39,7 @@ def run(spec: dict) -> dict:
         distributed_executor_backend="mp",
         attention_backend=spec.get("attention_backend"),
         kv_transfer_config=spec.get("kv_transfer_config"),
+        kv_events_config=_kv_events_config(spec.get("kv_events_config")),
         num_gpu_blocks_override=spec.get("num_gpu_blocks_override"),
         kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes"),
         scheduling_policy=spec.get("scheduling_policy", "fcfs"),
@@ -75,6 +76,12 @@ class _ResumedPrefills:
 
     def __getattr__(self, name: str):  # vLLM's other logger hooks: nothing to do
         return lambda *args, **kwargs: None
+
+
+def _kv_events_config(fields: dict | None):
+    from vllm.config import KVEventsConfig
+
+    return KVEventsConfig(**fields) if fields else None
 
 
 def _counter(llm, name: str) -> int:

@@ -23,6 +23,7 @@ SCHEDULER_HALF = (
     "vllm_aio.connector.metadata",
     "vllm_aio.connector.deployment",
     "vllm_aio.connector.scheduler",
+    "vllm_aio.connector.events",
 )
 
 

@@ -85,6 +85,10 @@ class Status(enum.Enum):
 class Backend(ABC):
     """A pooled store of fixed-layout KV blocks, keyed by strings."""
 
+    # The ``medium`` of the KV cache events about this store's blocks
+    # (``connector/events.py``), next to vLLM's own "GPU" and "CPU".
+    event_medium = "POOL"
+
     @abstractmethod
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is present now (it may be evicted right after)."""
@@ -158,6 +162,11 @@ class Backend(ABC):
         backend); None where values live anywhere else (the default)."""
         return None
 
+    def block_watch(self) -> "BlockWatch | None":
+        """A watch over blocks the caller announced, telling when one loses a value (a KV
+        event ``BlockRemoved``); None where the store cannot say what it evicted (the default)."""
+        return None
+
     def shared_store(self) -> str | None:
         """A name equal on every instance that reads and writes these same values
         (one Mooncake master, one Memcache meta service, one named embedded pool
@@ -219,6 +228,23 @@ class SlotStore(Protocol):
 
     def read_headers(self, slots: Sequence[int], length: int) -> list[bytes]:
         """The first ``length`` bytes of each slot (a migration checks what a peer wrote)."""
+
+
+class BlockWatch(Protocol):
+    """Announced blocks whose presence a store follows as values leave it (``Backend.block_watch``).
+
+    Used from one thread (the scheduler's). Its cost follows what changed:
+    the blocks added, the values evicted since the last look, never the pool's size.
+    """
+
+    def add(self, parts: BlockParts, hashes: Sequence[bytes]) -> list[bytes]:
+        """Watch those of the blocks that have every part stored now and are not watched yet; returns them."""
+
+    def take_gone(self) -> list[bytes]:
+        """Watched blocks that lost a part since the last call; no longer watched."""
+
+    def clear(self) -> list[bytes]:
+        """Stop watching every block; returns them."""
 
 
 def check_memory(backend: Backend, memory: Memory) -> None:

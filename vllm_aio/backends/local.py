@@ -11,6 +11,10 @@ part: the pool keeps a record per block counting its stored parts
 (``SharedHostPool.complete_blocks``), and its eviction counter is the
 presence epoch.
 
+KV events (``block_watch``): the pool's eviction log says which blocks lost a
+value, whichever attached process evicted it; the watch reads the entries
+written since its last look, so its cost follows evictions, not the pool's size.
+
 A batch's copies run together after one index operation (``reserve`` or
 ``pin_for_read``) and before the next (``commit`` or the version checks), in
 one ``host_copy.copy_many`` call: compiled loops, on every core for a large
@@ -23,15 +27,19 @@ import functools
 import socket
 from collections.abc import Sequence
 
+import numpy as np
+
 from vllm_aio.backends.base import Backend, Segment, Status, distinct_only
 from vllm_aio.backends.segments import FlatSegments
 from vllm_aio.host_copy import copy_many
-from vllm_aio.pool.host_pool import SharedHostPool, namespace_groups, slots_for
+from vllm_aio.pool.host_pool import BlockGroups, SharedHostPool, namespace_groups, slots_for
 from vllm_aio.pool.keys import BlockParts
 
 
 class LocalBackend(Backend):
     """Segments point to host memory (the only kind, see ``base.py``), copied by the CPU: nothing to register."""
+
+    event_medium = "LOCAL_POOL"  # host memory of this machine, shared by the instances naming the pool
 
     def __init__(self, name: str, pool_bytes: int, value_bytes: int, seal: bool, shared: bool = False) -> None:
         self.pool = SharedHostPool(name, value_bytes, slots_for(pool_bytes, value_bytes))
@@ -44,6 +52,10 @@ class LocalBackend(Backend):
     def shared_store(self) -> str | None:
         """Instances on one host that name one pool (``local_pool_name``) share its values."""
         return f"local:{socket.gethostname()}:{self.pool.name}" if self._shared else None
+
+    def block_watch(self) -> "PoolWatch":
+        self._check_open()
+        return PoolWatch(self.pool)
 
     def describe(self) -> str:
         return f"pool={self.pool.name} size={self._pool_bytes / 2**30:.2f}GiB"
@@ -133,3 +145,42 @@ class LocalBackend(Backend):
     def _check_open(self) -> None:
         if self._closed:  # the pool's mapping and lock are gone
             raise RuntimeError("LocalBackend is closed")
+
+
+class PoolWatch:
+    """``BlockWatch`` over the embedded pool: block record ids -> the blocks' hashes, fed by the eviction log."""
+
+    def __init__(self, pool: SharedHostPool) -> None:
+        self._pool = pool
+        self._seen = pool.usage().evictions  # evictions before the watch began concern nothing watched
+        # (hi, lo) record id -> (block hash, parts it needs)
+        self._watched: dict[tuple[int, int], tuple[bytes, int]] = {}
+
+    def add(self, parts: BlockParts, hashes: Sequence[bytes]) -> list[bytes]:
+        groups = namespace_groups(parts.namespace_digest, parts.layered, hashes)
+        counts = self._pool.block_parts(groups).tolist()
+        added = []
+        for block_hash, hi, lo, count in zip(hashes, groups.hi.tolist(), groups.lo.tolist(), counts):
+            if count >= parts.count and (hi, lo) not in self._watched:
+                self._watched[hi, lo] = (block_hash, parts.count)
+                added.append(block_hash)
+        return added
+
+    def take_gone(self) -> list[bytes]:
+        self._seen, evicted = self._pool.evicted_since(self._seen)
+        if evicted is None:  # the log turned over since the last look: check every watched block
+            candidates = list(self._watched)
+        else:
+            ids = np.unique(np.stack([evicted.hi, evicted.lo], axis=1), axis=0).tolist()  # values -> blocks
+            candidates = [key for key in map(tuple, ids) if key in self._watched]
+        if not candidates:
+            return []
+        # A block evicted and stored again since is still there: ask its record.
+        ids = np.asarray(candidates, dtype=np.int64).reshape(-1, 2)
+        counts = self._pool.block_parts(BlockGroups(ids[:, 0].copy(), ids[:, 1].copy())).tolist()
+        return [self._watched.pop(key)[0] for key, count in zip(candidates, counts) if count < self._watched[key][1]]
+
+    def clear(self) -> list[bytes]:
+        gone = [block_hash for block_hash, _ in self._watched.values()]
+        self._watched.clear()
+        return gone

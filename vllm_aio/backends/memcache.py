@@ -147,6 +147,8 @@ class MemcacheBackend(Backend):
     ``probe_interval``: seconds between probes of a meta service found gone.
     """
 
+    event_medium = "MEMCACHE"  # no block_watch: the client does not report evictions
+
     def __init__(self, settings: MemcacheSettings, *, value_bytes: int | None = None,
                  connect_timeout: float = 3.0, call_timeout: float = 5.0,
                  init_timeout: float = 30.0, close_timeout: float = 5.0, probe_interval: float = 0.5,

@@ -144,6 +144,10 @@ NativeCall = Callable[[list[int]], list[int]]  # indices of keys -> one code per
 class MooncakeBackend(Backend):
     """``Backend`` over ``MooncakeDistributedStore`` (see the module docstring)."""
 
+    # One store for every instance of its master. No block_watch: the client
+    # API (0.3.13) tells nobody what the master evicts or lets expire.
+    event_medium = "MOONCAKE"
+
     def __init__(
         self,
         settings: MooncakeSettings,

@@ -38,7 +38,7 @@ import dataclasses
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,6 +77,9 @@ class Batch:
     blocks: list[BlockRef]
     req_ids: list[str]
     retention: int = 0  # of the requests saving them (``Backend.batch_put``)
+    # Saves with KV events: positions whose value failed for an earlier layer
+    # (a layerwise batch is saved once per layer; ``saves.py``).
+    unsaved: set[int] = field(default_factory=set)
 
 
 @dataclass

@@ -7,6 +7,7 @@ builds the half that matches the role, and routes vLLM's calls to it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -19,9 +20,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm_aio.backends import Backend, create_backend
 from vllm_aio.config import parse_extra_config
 from vllm_aio.connector.deployment import build_deployment
+from vllm_aio.connector.events import KVEvents
 from vllm_aio.connector.metadata import AioConnectorMetadata
 from vllm_aio.connector.scheduler import AioScheduler
 from vllm_aio.connector.stats import AioConnectorStats, AioPromMetrics
+from vllm_aio.connector.vllm_events import SavedPartsEvents, to_vllm
 from vllm_aio.connector.worker import AioWorker
 from vllm_aio.log import get_logger
 from vllm_aio.pool.ownership import Ownership
@@ -29,6 +32,7 @@ from vllm_aio.pool.ownership import Ownership
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -57,8 +61,15 @@ class AioConnector(KVConnectorBase_V1):
         self._worker: AioWorker | None = None
         self._migration = None
         self._num_blocks = kv_cache_config.num_blocks
+        # vLLM's KV cache events (--kv-events-config): only an instance that saves has pool blocks to announce.
+        events_config = vllm_config.kv_events_config
+        kv_events = bool(events_config and events_config.enable_kv_cache_events) and dep.save_enabled
+        self._events: KVEvents | None = None
+        self._medium = backend.event_medium
         if is_scheduler:
-            self._scheduler = AioScheduler(dep, backend)
+            if kv_events:
+                self._events = KVEvents(dep.block_size, backend.block_watch(), cfg.transfer_timeout)
+            self._scheduler = AioScheduler(dep, backend, self._events)
             _log_start(cfg, dep, transfer, backend)
             if cfg.migration:
                 from vllm_aio.migration.service import MigrationService
@@ -68,7 +79,7 @@ class AioConnector(KVConnectorBase_V1):
                     transfer.kv_role, transfer.engine_id,
                 )
         else:
-            self._worker = AioWorker(dep, backend, Ownership(_topology(dep)), cfg)
+            self._worker = AioWorker(dep, backend, Ownership(_topology(dep)), cfg, kv_events=kv_events)
 
     def open_backend(self, cfg: "AioConfig", dep: "Deployment", for_scheduler: bool) -> Backend:
         """The pool store this half uses. The one seam for subclasses (the tests'
@@ -109,6 +120,10 @@ class AioConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> AioConnectorStats | None:
         return self._worker.take_stats() if self._worker else None
 
+    def get_kv_connector_kv_cache_events(self) -> SavedPartsEvents | None:
+        parts = self._worker.take_saved_parts() if self._worker else None
+        return SavedPartsEvents([parts]) if parts is not None else None
+
     def shutdown(self) -> None:
         if self._migration is not None:
             self._migration.close()
@@ -133,6 +148,14 @@ class AioConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         self._scheduler.update_connector_output(connector_output.invalid_block_ids)
+        saved = connector_output.kv_cache_events
+        if self._events is not None and isinstance(saved, SavedPartsEvents):
+            self._events.saved(saved.reports, self._scheduler.parts)
+
+    def take_events(self) -> Iterable["KVCacheEvent"]:
+        if self._events is None:
+            return ()
+        return to_vllm(self._events.take(self._scheduler.parts), self._medium)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)

@@ -21,6 +21,7 @@ import torch
 
 from vllm_aio.backends import Status
 from vllm_aio.connector.block_io import Batch, BlockIO, BlockRef, CopyHandoff
+from vllm_aio.connector.events import SettledSaves
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer
 from vllm_aio.connector.transfer import TransferThread
 from vllm_aio.log import get_logger
@@ -35,7 +36,7 @@ class Saves:
 
     def __init__(
         self, io: BlockIO, owner: Ownership, units: list[Unit], send: TransferThread,
-        add_stats: Callable[..., None], timeout: float,
+        add_stats: Callable[..., None], timeout: float, settled: SettledSaves | None = None,
     ) -> None:
         self._io = io
         self._owner = owner
@@ -43,6 +44,7 @@ class Saves:
         self._send = send
         self._add_stats = add_stats
         self._timeout = timeout
+        self._settled = settled  # with KV events: what this rank's saves left in the pool
         self._handoffs: list[CopyHandoff] = []  # this step's, forward thread only
         self._failures_logged: set[Status] = set()
 
@@ -101,6 +103,8 @@ class Saves:
             if counts[status]:
                 self._log_failure(status, f"{counts[status]} blocks")
         last = unit is self._units[-1]
+        if self._settled is not None:
+            self._settle(batch, statuses, last)
         self._add_stats(
             save_blocks=counts[Status.OK] if last else 0,
             save_bytes=counts[Status.OK] * self._io.value_bytes(unit),
@@ -108,6 +112,13 @@ class Saves:
             save_skipped=counts[Status.EXISTS] if last else 0,
             save_failures=counts[Status.NO_SPACE] + counts[Status.ERROR],
         )
+
+    def _settle(self, batch: Batch, statuses: list[Status], last: bool) -> None:
+        """A block is settled once its last unit was saved, and stored if every unit of it was."""
+        batch.unsaved.update(i for i, status in enumerate(statuses) if not status.stored)
+        if last:
+            self._settled.add([b.block_hash for b in batch.blocks],
+                              [i not in batch.unsaved for i in range(len(batch.blocks))])
 
     def _log_failure(self, status: Status, detail: str) -> None:
         if status in self._failures_logged:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from vllm_aio.backends import Backend
 from vllm_aio.connector.deployment import Deployment
+from vllm_aio.connector.events import KVEvents
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, BufferStep, LookupCounts
 from vllm_aio.log import get_logger
 from vllm_aio.pool.keys import BlockParts
@@ -83,9 +84,10 @@ class _Tracker:
 
 
 class AioScheduler:
-    def __init__(self, deployment: Deployment, backend: Backend) -> None:
+    def __init__(self, deployment: Deployment, backend: Backend, events: KVEvents | None = None) -> None:
         self._dep = deployment
         self._backend = backend
+        self._events = events  # with vLLM's KV cache events: told of saves planned and blocks found missing
         self.namespace = deployment.namespace
         # A block hits only when every distinct shard of the deployment (and,
         # layerwise, every layer of it) is stored. Replaced as a whole when the
@@ -197,6 +199,8 @@ class AioScheduler:
                     and found.digest == parts.namespace_digest):
                 resume = max(first, found.end)  # blocks [first, found.end) are still complete
             end = resume + self._backend.count_complete_blocks(parts, hashes[resume:])
+            if self._events is not None and end < len(hashes):
+                self._events.missing(hashes[end])
         except Exception as exc:  # the pool is down: serve everything by recompute
             logger.warning("vllm_aio: pool lookup failed, treating as a miss: %s", exc)
             self._found.pop(req_id, None)
@@ -342,11 +346,15 @@ class AioScheduler:
         tracker.num_saved_blocks = full
         skip_start, skip_end = tracker.loaded
         retention = self._dep.retention_of(request.priority)
-        return [
+        transfers = [
             BlockTransfer.of(request.request_id, tracker.block_ids[lo:hi], request.block_hashes[lo:hi], lo, retention)
             for lo, hi in ((start, min(full, skip_start)), (max(start, skip_end), full))
             if lo < hi
         ]
+        if self._events is not None:
+            for t in transfers:
+                self._events.expect(request, t.first_index, t.first_index + len(t))
+        return transfers
 
     def update_connector_output(self, invalid_block_ids: set[int]) -> None:
         """Count the hit tokens that the pool promised and the workers could not load.

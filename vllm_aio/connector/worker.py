@@ -29,6 +29,7 @@ from vllm_aio.backends import Backend
 from vllm_aio.config import AioConfig
 from vllm_aio.connector.block_io import BlockIO, open_block_io
 from vllm_aio.connector.deployment import Deployment
+from vllm_aio.connector.events import SavedParts, SettledSaves
 from vllm_aio.connector.layer_buffer import BufferHooks, LayerBuffer, NoBuffer
 from vllm_aio.connector.loads import BeforeBuffer, BeforeForward, InBackground, Layerwise, LoadReport, Loads
 from vllm_aio.connector.metadata import AioConnectorMetadata
@@ -43,7 +44,9 @@ logger = get_logger(__name__)
 
 
 class AioWorker:
-    def __init__(self, deployment: Deployment, backend: Backend, ownership: Ownership, cfg: AioConfig) -> None:
+    def __init__(
+        self, deployment: Deployment, backend: Backend, ownership: Ownership, cfg: AioConfig, kv_events: bool = False
+    ) -> None:
         self._dep = deployment
         self._backend = backend
         self._owner = ownership
@@ -56,6 +59,8 @@ class AioWorker:
         self._send = TransferThread("vllm_aio-send")
         self._stats_lock = threading.Lock()  # the sending thread adds save stats
         self.stats = AioConnectorStats()
+        # With vLLM's KV cache events: the saves this rank settled, reported each step.
+        self._settled = SettledSaves(ownership.shard_id) if kv_events else None
         # Chosen by register_kv_caches, once the KV cache exists.
         self._io: BlockIO | None = None
         self._buffer: BufferHooks | NoBuffer = NoBuffer()
@@ -103,8 +108,8 @@ class AioWorker:
     def _choose_saves(self) -> Saves:
         common = (self._io, self._owner, self._units, self._send, self._add_stats, self._cfg.transfer_timeout)
         if self._dep.layerwise:
-            return LayerwiseSaves(*common, layer_names=list(self._dep.layer_names))
-        return WholeBlockSaves(*common)
+            return LayerwiseSaves(*common, settled=self._settled, layer_names=list(self._dep.layer_names))
+        return WholeBlockSaves(*common, settled=self._settled)
 
     # ---- vLLM's hooks, in step order -------------------------------------------
     def handle_preemptions(self, meta: AioConnectorMetadata) -> None:
@@ -162,6 +167,10 @@ class AioWorker:
                 return None
             stats, self.stats = self.stats, AioConnectorStats()
             return stats
+
+    def take_saved_parts(self) -> SavedParts | None:
+        """The saves settled since the last call (KV events; None when off or nothing settled)."""
+        return self._settled.take() if self._settled is not None else None
 
     def drain(self) -> None:
         """Wait until every transfer queued so far has run (its pool put included)."""

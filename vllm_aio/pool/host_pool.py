@@ -5,7 +5,7 @@ worker in a process of its own; all of them must see one pool (the scheduler
 asks "is it there?", the workers copy bytes in and out). The pool is therefore
 one file in ``/dev/shm`` that every process maps:
 
-    header | hash index (key -> slot) | per-slot metadata | block records | slot data
+    header | hash index (key -> slot) | per-slot metadata | block records | eviction log | slot data
 
 * No service and no port: the first process to attach creates the file. A
   private pool is unlinked as soon as its last process (vLLM's scheduler,
@@ -24,6 +24,11 @@ one file in ``/dev/shm`` that every process maps:
   (``pool/keys.py``) counts the group's READY values. ``commit`` adds one,
   eviction takes one away, so a record is exact at every moment the lock is
   free. Keys that are not block keys have no record.
+* An eviction log tells any attached process which blocks lost a value, so
+  an instance can report ``BlockRemoved`` for blocks evicted by another
+  process (a worker's put, another instance sharing the pool): the k-th
+  eviction writes its block record's id at entry ``k % num_slots``, and a
+  reader keeps its own count of evictions read (``evicted_since``).
 * Index and metadata change under one lock (``flock`` across processes plus a
   ``threading.Lock`` within one); copies run outside it. A reader never blocks
   a writer: it notes the slot's version, copies, and rechecks the version, so
@@ -58,8 +63,9 @@ from vllm_aio.pool.keys import block_of_key, parse_block_key
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "vllm_aio."
 _LOCK_PREFIX = "vllm_aio_lock."
-_MAGIC = 0x41494F504F4F4C33  # "AIOPOOL3": retention classes added
-_OLD_MAGICS = (0x41494F504F4F4C31, 0x41494F504F4F4C32)  # "AIOPOOL1": no block records; "AIOPOOL2": no classes
+_MAGIC = 0x41494F504F4F4C34  # "AIOPOOL4": eviction log added
+# "AIOPOOL1": no block records; "AIOPOOL2": no classes; "AIOPOOL3": no eviction log
+_OLD_MAGICS = (0x41494F504F4F4C31, 0x41494F504F4F4C32, 0x41494F504F4F4C33)
 _MAX_PIDS = 256
 _PAGE = 4096
 
@@ -308,6 +314,9 @@ class _Layout:
             ("group_hi", self.table_size, np.int64),
             ("group_lo", self.table_size, np.int64),
             ("group_parts", self.table_size, np.int64),
+            # Eviction log: the block record id of the k-th evicted value at k % num_slots (hi 0: no record).
+            ("evicted_hi", self.num_slots, np.int64),
+            ("evicted_lo", self.num_slots, np.int64),
         ]
         out, pos = {}, 0
         for name, count, dtype in specs:
@@ -448,6 +457,8 @@ class SharedHostPool:
         self._group_hi = view("group_hi")
         self._group_lo = view("group_lo")
         self._group_parts = view("group_parts")
+        self._evicted_hi = view("evicted_hi")
+        self._evicted_lo = view("evicted_lo")
         self._data = view("data")
         self._parts_mv, self._hi_mv, self._lo_mv = (
             (None, None, None) if offsets is None
@@ -625,6 +636,9 @@ class SharedHostPool:
             assert found == slot
             self._unindex(bucket)
         self._count_parts(slots, -1)
+        # Logged for readers of this pool's evictions (KV events' BlockRemoved, ``backends/local.py``).
+        log = (int(self._header[_H_EVICTIONS]) + np.arange(len(slots))) % self.layout.num_slots
+        self._evicted_hi[log], self._evicted_lo[log] = self._slot_group_hi[slots], self._slot_group_lo[slots]
         # Counted as evictions: the eviction counter is the presence epoch (backends/local.py),
         # which tells schedulers that values they counted may be gone.
         self._header[_H_EVICTIONS] += len(slots)
@@ -796,6 +810,11 @@ class SharedHostPool:
         the rounds few). The answer holds while no eviction happens; the
         eviction counter (``usage().evictions``) says when that changed.
         """
+        complete = self.block_parts(groups) >= parts
+        return len(complete) if complete.all() else int(np.argmin(complete))
+
+    def block_parts(self, groups: BlockGroups) -> np.ndarray:
+        """How many READY values each block has (its record's count; 0 without a record)."""
         hi, lo = groups.hi, groups.lo
         mask = self.layout.table_size - 1
         found = np.zeros(len(lo), dtype=np.int64)
@@ -808,8 +827,23 @@ class SharedHostPool:
                 found[pending[match]] = held[match]
                 going = ~match & (held > 0)  # occupied by another block: probe on
                 pending, buckets = pending[going], (buckets[going] + 1) & mask
-        complete = found >= parts
-        return len(lo) if complete.all() else int(np.argmin(complete))
+        return found
+
+    def evicted_since(self, seen: int) -> tuple[int, BlockGroups | None]:
+        """(evictions so far, the block record ids of the values evicted after the first ``seen``).
+
+        None instead of the ids when more than the log holds were evicted
+        since (the whole pool turned over): the caller rechecks its blocks.
+        Ids repeat (one per value) and include 0s for values without a record.
+        """
+        if int(self._header[_H_EVICTIONS]) == seen:  # the usual step: no lock, nothing to copy
+            return seen, BlockGroups(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        with self._locked():
+            now = int(self._header[_H_EVICTIONS])
+            if now - seen > self.layout.num_slots:
+                return now, None
+            log = np.arange(seen, now) % self.layout.num_slots
+            return now, BlockGroups(self._evicted_hi[log], self._evicted_lo[log])
 
     def still_valid(self, slot: int, version: int) -> bool:
         """Whether a slot read since ``pin_for_read`` was not reused meanwhile."""
