@@ -21,9 +21,9 @@ prefix, and logprobs then differ from the baseline by up to ~0.033
 from __future__ import annotations
 
 import glob
-import time
 import json
 import random
+import time
 import urllib.request
 
 import pytest
