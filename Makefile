@@ -14,11 +14,15 @@ MODEL := models/tiny
 # Runtime libraries of the Mooncake wheel (ImportError: libibverbs.so.1 without them).
 SYS_PKGS := libibverbs1 librdmacm1 libnuma1
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo )
+# Under CI: no colour, a summary of every non-passing test and the slowest tests at the end.
+PYTEST_ARGS ?= -v -p no:cacheprovider $(if $(CI),--color=no -ra --durations=30,)
 # Two test files at a time (pytest-xdist): much of an engine test is a process starting
 # (imports, model load) on one core, so two overlap well on a 2-core machine; a file stays
-# on one worker, with its module fixtures (servers, baselines).
-# Under CI: no colour, a summary of every non-passing test and the slowest tests at the end.
-PYTEST_ARGS ?= -v -p no:cacheprovider -n 2 --dist loadfile $(if $(CI),--color=no -ra --durations=30,)
+# on one worker, with its module fixtures (servers, baselines). The benchmarks' smoke runs
+# come after, alone: each starts several engines at once, and next to another test's
+# engines their start-up outlasts its time limit.
+PARALLEL := -n 2 --dist loadfile
+ALONE := tests/test_benchmarks.py
 
 .PHONY: venv install syspkgs model demo test test-gpu
 
@@ -60,7 +64,8 @@ demo: install model
 	$(VPY) examples/demo.py --model $(MODEL)
 
 test: install model
-	$(VPY) -m pytest tests $(PYTEST_ARGS)
+	$(VPY) -m pytest tests $(PARALLEL) --ignore=$(ALONE) $(PYTEST_ARGS)
+	$(VPY) -m pytest $(ALONE) $(PYTEST_ARGS)
 
 # On a machine with an accelerator and torch (no vLLM needed, nothing installed):
 # every test with an accelerator case, then the GPU benchmarks' quick runs.
