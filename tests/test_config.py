@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from vllm_aio.backends import SETTINGS
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache_settings import MemcacheSettings
 from vllm_aio.backends.mooncake_settings import MooncakeSettings
@@ -337,3 +338,26 @@ parse_extra_config({{"backend": "memcache"}}, environ={{"MMC_LOCAL_CONFIG_PATH":
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# Every key of every backend, with what else its backend needs to get as far as that key.
+_MMC_CONF = "ock.mmc.meta_service_url = tcp://127.0.0.1:5000\nock.mmc.local_service.protocol = host_tcp\n"
+_NEEDS = {
+    "local": {},
+    "mooncake": {"master_server_address": "127.0.0.1:1"},
+    "memcache": {},
+    "tiered": {"remote_backend": "mooncake", "master_server_address": "127.0.0.1:1"},
+}
+_EVERY_KEY = [(None, f.name) for f in dataclasses.fields(AioConfig) if f.name != "backend_settings"] + [
+    (backend, key) for backend, settings in SETTINGS.items() for key in settings.keys
+]
+
+
+@pytest.mark.parametrize("backend, key", _EVERY_KEY, ids=[f"{b or 'general'}-{k}" for b, k in _EVERY_KEY])
+@pytest.mark.parametrize("value", [{}, [{}]], ids=["object", "list"])
+def test_every_key_refuses_a_value_of_the_wrong_type_naming_the_key(tmp_path, backend, key, value):
+    conf = tmp_path / "mmc-local.conf"
+    conf.write_text(_MMC_CONF)
+    extra = {**_NEEDS.get(backend, {}), **({"backend": backend} if backend else {}), key: value}
+    with pytest.raises(ConfigError, match=rf"\b{key}\b"):
+        parse_extra_config(extra, environ={"MMC_LOCAL_CONFIG_PATH": str(conf)})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 import threading
 import time
 import uuid
@@ -386,15 +387,16 @@ def test_each_tier_reads_its_own_settings_keys_and_variables():
 @pytest.mark.parametrize("extra, message", [
     ({"remote_backend": None}, "remote_backend: expected one of mooncake, memcache, missing"),
     ({"remote_backend": "redis"}, "remote_backend: expected one of mooncake, memcache, got 'redis'"),
+    ({"remote_backend": ["mooncake"]}, "remote_backend: expected one of mooncake, memcache, got ['mooncake']"),
     ({"remote_write": "sync"}, "remote_write: expected one of background, through, got 'sync'"),
     ({"remote_queue_size": 0}, "remote_queue_size: expected an integer >= 1, got 0"),
     ({"device_id": 0}, 'device_id: Memcache settings need remote_backend "memcache"'),
     ({"master_server_address": "nowhere"}, "master_server_address: expected 'host:port'"),
     ({"local_pool_name": "a/b"}, "local_pool_name: expected 1-64 characters"),
-], ids=["no-remote", "unknown-remote", "write-mode", "queue-size", "other-remote-key", "remote-key", "local-key"])
+], ids=["no-remote", "unknown-remote", "remote-as-list", "write-mode", "queue-size", "other-remote-key", "remote-key", "local-key"])
 def test_bad_settings_fail_at_start_naming_the_key_and_what_is_accepted(extra: dict, message: str):
     config = {k: v for k, v in {**MOONCAKE, **extra}.items() if v is not None}
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         parse_extra_config(config, environ={})
 
 

@@ -81,7 +81,7 @@ class TieredSettings(BackendSettings):
 
 
 def _remote(name: Any) -> type[BackendSettings]:
-    if name not in REMOTES:
+    if not isinstance(name, str) or name not in REMOTES:
         what = "missing" if name is None else f"got {name!r}"
         raise ConfigError(f"remote_backend: expected one of {', '.join(REMOTES)}, {what}")
     return REMOTES[name]
