@@ -243,7 +243,7 @@ class TieredBackend(Backend):
 class _RemoteWriter:
     """Background writes to the remote tier, on a thread of its own.
 
-    The queue holds keys only, at most ``capacity``: a save's staging is reused
+    The queue holds keys (with their retention class) only, at most ``capacity``: a save's staging is reused
     once the save returns, so each value is read back from the local tier when
     its turn comes, into one buffer registered with the remote tier once.
     ``dropped(n)`` counts values that never reach the remote tier.
