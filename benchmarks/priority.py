@@ -150,7 +150,7 @@ def main() -> int:
                      *(f"{counters.get(name, 0):.0f}" for name in ("save_failures", "load_failures"))])
     print_markdown(["system", "high-priority hit rate (requests)", "low-priority hit rate (requests)",
                     "save failures", "load failures"], body, left=1, title=f"Pool hit rate by priority ({args.backend})")
-    write_results(args.json.with_name(f"priority_{args.backend}.json"), "priority", started,
+    write_results(args.json, "priority", started,
                   backend=args.backend, pool_bytes=pool_bytes, working_set=working_set, results=results)
     return 0
 

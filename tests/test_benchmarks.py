@@ -41,6 +41,7 @@ SCRIPTS = {
     "ttft": (("vllm",), "model"),
     "mooncake_ttft": (("vllm", "mooncake"), "model"),
     "migration": (("vllm", "mooncake"), "model"),
+    "priority": (("vllm",), "system"),  # one engine at a time: run beside the others
 }
 ENGINE_SCRIPTS = ("ttft", "mooncake_ttft", "migration")
 PLOTTED = "pool_bandwidth"  # a cheap script whose run also draws its plot (benchmarks/_report.plot)
