@@ -108,3 +108,19 @@ def test_hashes_coarser_or_finer_than_block_ids_are_refused() -> None:
     kv_cache_config.hash_block_size = BLOCK
     with pytest.raises(ConfigError, match="hashes blocks of 16 tokens but its block ids cover 32"):
         _deployment(vllm_config, kv_cache_config)
+
+
+def test_a_kv_cache_whose_blocks_are_freed_while_a_request_runs_is_refused() -> None:
+    # A sliding window frees the blocks that leave it and hands them to other
+    # requests: a preemption's rescue would store another request's KV.
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from vllm_aio.config import ConfigError
+
+    vllm_config = _vllm_config(dcp=1, pcp=1)
+    spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, sliding_window=64)
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    config.hash_block_size = BLOCK
+    with pytest.raises(ConfigError, match="supports full-attention and MLA KV caches; this model's is SlidingWindowSpec"):
+        _deployment(vllm_config, config)

@@ -77,6 +77,7 @@ def build_deployment(
             "(hybrid attention)"
         )
     spec = groups[0].kv_cache_spec
+    _check_keeps_every_block(spec)
     layers = tuple(groups[0].layer_names)
     parallel = vllm_config.parallel_config
     block_size = _block_size(kv_cache_config, spec, parallel.decode_context_parallel_size)
@@ -113,6 +114,27 @@ def build_deployment(
         use_mla=bool(vllm_config.model_config.use_mla),
         priority_cutoffs=cfg.priority_cutoffs,
     )
+
+
+def _check_keeps_every_block(spec) -> None:
+    """Refuse KV caches whose manager frees a running request's blocks early.
+
+    A sliding window (or local, or R-SWA) attention manager frees the blocks
+    that leave the window while the request runs and hands them to other
+    requests; this connector's block lists would then name blocks holding
+    another request's KV (a preemption's rescue, a migration's flush would
+    store it under this request's hashes). Exact types: ``RSWASpec`` is a
+    ``FullAttentionSpec`` that frees blocks too.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+
+    specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+    refused = sorted({type(s).__name__ for s in specs if type(s) not in (FullAttentionSpec, MLAAttentionSpec)})
+    if refused:
+        raise ConfigError(
+            f"AioConnector supports full-attention and MLA KV caches; this model's is {', '.join(refused)}, "
+            "whose blocks are freed while a request runs (sliding window, local attention, state caches)"
+        )
 
 
 def _block_size(kv_cache_config: "KVCacheConfig", spec, dcp_size: int) -> int:
