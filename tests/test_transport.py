@@ -245,12 +245,16 @@ def test_a_write_to_a_peer_that_exited_fails_fast(link: PeerLink, source: np.nda
 
 
 def test_a_write_to_a_stalled_peer_fails_within_the_transfer_timeout(link: PeerLink, source: np.ndarray) -> None:
-    with TransferPeer(8 << 20) as peer:
+    # More than loopback's socket buffers can take from a peer that reads nothing (here
+    # net.ipv4.tcp_rmem allows 32 MiB, tcp_wmem 4 MiB): 8 MiB sometimes fit, and the write
+    # then succeeded.
+    with TransferPeer(2 * REGION) as peer:
         assert link.write(peer.session_id, [source.ctypes.data], [peer.address], [SLOT], later()) == SLOT
         peer.stop()
         start = time.monotonic()
         with pytest.raises(TransferError, match="rc="):
-            link.write(peer.session_id, [source.ctypes.data], [peer.address], [8 << 20], later())
+            link.write(peer.session_id, [source.ctypes.data] * 2, [peer.address, peer.address + REGION],
+                       [REGION, REGION], later())
         assert time.monotonic() - start < TRANSFER_TIMEOUT_S + 3
         peer.kill()  # a stopped peer would not end when asked
 
