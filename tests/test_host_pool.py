@@ -266,6 +266,41 @@ def test_a_key_stored_again_by_a_higher_class_is_kept_at_the_higher_class(name):
         pool.close()
 
 
+def test_a_leased_value_is_not_evicted_until_its_lease_ends(name, monkeypatch):
+    pool = SharedHostPool(name, SLOT, 2)
+    now = [10**12]
+    monkeypatch.setattr(host_pool, "_now_ns", lambda: now[0])
+    try:
+        for key in ("a", "b"):
+            assert store(pool, key, value(key)) is True
+        a_id, b_id = host_pool._key_ids(["a", "b"])
+        assert pool.lease_ids(a_id[:1], b_id[:1], seconds=5) == 1
+        assert store(pool, "c", value("c")) is True  # evicts "b": "a", older, is leased
+        assert pool.contains(["a", "b", "c"]) == [True, False, True]
+        now[0] += 5 * 10**9 + 1
+        pool.contains(["c"])  # "a" is now the least recently used, and free to go
+        assert store(pool, "d", value("d")) is True
+        assert pool.contains(["a", "c", "d"]) == [False, True, True]
+    finally:
+        pool.close()
+
+
+def test_a_lease_is_never_shortened_by_a_later_one(name, monkeypatch):
+    pool = SharedHostPool(name, SLOT, 1)
+    now = [10**12]
+    monkeypatch.setattr(host_pool, "_now_ns", lambda: now[0])
+    try:
+        assert store(pool, "a", value("a")) is True
+        hi, lo = host_pool._key_ids(["a"])
+        pool.lease_ids(hi, lo, seconds=10)
+        pool.lease_ids(hi, lo, seconds=1)
+        now[0] += 2 * 10**9
+        assert pool.reserve(["b"]) == [-1]  # the first holder's lease still runs
+        assert pool.lease_ids(*host_pool._key_ids(["absent"]), seconds=1) == 0
+    finally:
+        pool.close()
+
+
 def test_abandoned_slot_is_reused_before_any_eviction(name):
     pool = SharedHostPool(name, SLOT, 2)
     try:

@@ -25,6 +25,7 @@ from vllm_aio.backends import local
 from vllm_aio.backends.base import Status
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.pool.host_pool import SHM_DIR, pool_path
+from vllm_aio.pool.keys import BlockParts
 
 SEGMENT_SIZES = (100, 28, 256, 128)  # a value scattered over 4 regions
 VALUE = sum(SEGMENT_SIZES)
@@ -176,6 +177,19 @@ def test_presence_epoch_moves_with_every_eviction_and_only_then(name):
         assert backend.presence_epoch() == epoch
         put(backend, ["k2"])
         assert backend.presence_epoch() == epoch + 1
+    finally:
+        backend.close()
+
+
+def test_leased_blocks_keep_every_part_through_a_flood_of_saves(name):
+    parts = BlockParts("0123456789abcdef", ("h0", "h1"), (0, 1))  # 2 shards x 2 layers
+    hashes = [hashlib.sha256(f"b{i}".encode()).digest() for i in range(2)]
+    backend = open_backend(name, 12)
+    try:
+        assert all(s.stored for s in put(backend, [k for h in hashes for k in parts.keys(h)]))
+        backend.lease_blocks(parts, hashes, seconds=60)
+        put(backend, [f"flood{i}" for i in range(30)])  # three times what the rest of the pool holds
+        assert backend.count_complete_blocks(parts, hashes) == 2
     finally:
         backend.close()
 

@@ -37,6 +37,7 @@ from vllm_aio.backends.mooncake import (
 )
 from vllm_aio.config import ConfigError, parse_extra_config
 from vllm_aio.devtools.mooncake_pool import CLIENT_TTL, MooncakePool, free_port
+from vllm_aio.pool.keys import BlockParts
 
 pytest_plugins = ["mooncake_fixtures"]
 
@@ -555,6 +556,20 @@ def test_register_overlapping_region_replaces_it(recorded: tuple[MooncakeBackend
                                               ("register_buffer", (base + (1 << 18), 1 << 19))]
     assert store.made("unregister_buffer") == [("unregister_buffer", (base,))]
     assert backend.wants_registration()
+
+
+def test_a_lease_asks_the_master_about_every_part_of_every_block(
+    recorded: tuple[MooncakeBackend, RecordingStore],
+) -> None:
+    # The master leases each key it is asked about (--default_kv_lease_ttl); the
+    # lookup asked about one part per block only.
+    backend, store = recorded
+    parts = BlockParts("0123456789abcdef", ("h0", "h1"), (0, 1, 2))
+    hashes = [uuid.uuid4().bytes for _ in range(3)]
+    store.calls.clear()
+    backend.lease_blocks(parts, hashes, seconds=30)
+    asked = [key for _, (keys,) in store.made("batch_is_exist") for key in keys]
+    assert asked == backend._scoped([key for h in hashes for key in parts.keys(h)])
 
 
 class FlakyStore:

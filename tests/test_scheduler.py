@@ -23,6 +23,10 @@ class DictBackend(Backend):
     def __init__(self) -> None:
         self.keys: set[str] = set()
         self.exists_calls = 0
+        self.leases: list[tuple[list[bytes], float]] = []
+
+    def lease_blocks(self, parts, hashes, seconds):
+        self.leases.append((list(hashes), seconds))
 
     def batch_exists(self, keys):
         self.exists_calls += 1
@@ -178,6 +182,32 @@ def test_allocated_hit_becomes_a_load_of_exactly_the_pool_blocks():
     assert load.block_hashes == req.block_hashes[1:4]
     assert (meta.lookups.hit_tokens, meta.lookups.miss_tokens) == (12, 6)
     assert sched.build_connector_meta(step()).loads == []
+
+
+def test_an_allocated_hit_is_leased_for_the_transfer_timeout_until_the_worker_reads_it():
+    backend, dep = DictBackend(), deployment()
+    req = Req("a", 22)
+    store(backend, dep, req, 4)
+    sched = AioScheduler(dep, backend, lease_seconds=7.5)
+    n, _ = sched.get_num_new_matched_tokens(req, 4)
+    assert backend.leases == []  # a lookup promises nothing: the request may wait
+    sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), n)
+    assert backend.leases == [(req.block_hashes[1:4], 7.5)]
+
+
+def test_a_failed_lease_leaves_the_load_planned():
+    class NoLease(DictBackend):
+        def lease_blocks(self, parts, hashes, seconds):
+            raise ConnectionError("down")
+
+    backend, dep = NoLease(), deployment()
+    req = Req("a", 22)
+    store(backend, dep, req, 4)
+    sched = AioScheduler(dep, backend)
+    n, _ = sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), n)
+    (load,) = sched.build_connector_meta(step(new=[("a", [10, 11, 12, 13, 14, 15], 0)], scheduled={"a": 6})).loads
+    assert list(load.block_ids) == [10, 11, 12, 13]
 
 
 def _two_requests_loading(sched, backend, dep):

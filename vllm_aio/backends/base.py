@@ -109,6 +109,16 @@ class Backend(ABC):
                     return start + i
         return len(hashes)
 
+    def lease_blocks(self, parts: BlockParts, hashes: Sequence[bytes], seconds: float) -> None:
+        """Keep every part of these blocks from eviction for about ``seconds``: the
+        scheduler promised them to a load the workers have not run yet.
+
+        Where the store allows: the embedded pool leases the values for
+        ``seconds``; Mooncake's master leases each key it is asked about for its
+        own ``--default_kv_lease_ttl``; others (the default) cannot, and a value
+        evicted before the load fails it, which vLLM recomputes.
+        """
+
     def presence_epoch(self) -> int | None:
         """A number that changes whenever a stored value may have gone (eviction, removal).
 

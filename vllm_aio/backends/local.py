@@ -32,7 +32,7 @@ import numpy as np
 from vllm_aio.backends.base import Backend, Segment, Status, distinct_only
 from vllm_aio.backends.segments import FlatSegments
 from vllm_aio.host_copy import copy_many
-from vllm_aio.pool.host_pool import BlockGroups, SharedHostPool, namespace_groups, slots_for
+from vllm_aio.pool.host_pool import BlockGroups, SharedHostPool, namespace_groups, slots_for, value_ids
 from vllm_aio.pool.keys import BlockParts
 
 
@@ -73,6 +73,11 @@ class LocalBackend(Backend):
         self._check_open()
         groups = namespace_groups(parts.namespace_digest, parts.layered, hashes)
         return self.pool.complete_blocks(groups, parts.count)
+
+    def lease_blocks(self, parts: BlockParts, hashes: Sequence[bytes], seconds: float) -> None:
+        self._check_open()
+        ids = [value_ids(parts.namespace_digest, shard, tag, hashes) for shard in parts.shards for tag in parts.tags]
+        self.pool.lease_ids(np.concatenate([i.hi for i in ids]), np.concatenate([i.lo for i in ids]), seconds)
 
     def presence_epoch(self) -> int:
         self._check_open()

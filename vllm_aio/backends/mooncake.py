@@ -238,6 +238,11 @@ class MooncakeBackend(Backend):
         """One probe key per block (``remote.count_by_probes``), one round trip per 8,192 blocks."""
         return count_by_probes(self.batch_exists, parts, hashes)
 
+    def lease_blocks(self, parts: BlockParts, hashes: Sequence[bytes], seconds: float) -> None:
+        """Asked about, every stored part gets the master's read lease (``--default_kv_lease_ttl``,
+        5 s by default; ``seconds`` cannot change it): a lookup probed one part per block only."""
+        self.batch_exists([key for h in hashes for key in parts.keys(h)])
+
     def batch_put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], retention: int = 0) -> list[Status]:
         put = functools.partial(self._put_distinct, config=self._pinned if retention > 0 else self._unpinned)
         return distinct_only(put, self._scoped(keys), segments, self._value_bytes, Status.ERROR)

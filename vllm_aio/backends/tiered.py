@@ -113,6 +113,11 @@ class TieredBackend(Backend):
             n += more
         return n
 
+    def lease_blocks(self, parts: BlockParts, hashes: Sequence[bytes], seconds: float) -> None:
+        """Both tiers: a load reads the local tier first and the rest from the remote one."""
+        self.local.lease_blocks(parts, hashes, seconds)
+        self._remote_or("lease", None, lambda: self.remote.lease_blocks(parts, hashes, seconds))
+
     def presence_epoch(self) -> int | None:
         """Both tiers' epochs summed (each only grows, so the sum moves when either does);
         None when either tier has none: an answer about it holds only when given."""

@@ -84,9 +84,13 @@ class _Tracker:
 
 
 class AioScheduler:
-    def __init__(self, deployment: Deployment, backend: Backend, events: KVEvents | None = None) -> None:
+    def __init__(self, deployment: Deployment, backend: Backend, events: KVEvents | None = None,
+                 lease_seconds: float = 30.0) -> None:
         self._dep = deployment
         self._backend = backend
+        # How long the blocks promised to a load are kept from eviction: the
+        # worker reads them in the next step, bounded by transfer_timeout.
+        self._lease_seconds = lease_seconds
         self._events = events  # with vLLM's KV cache events: told of saves planned and blocks found missing
         self.namespace = deployment.namespace
         # A block hits only when every distinct shard of the deployment (and,
@@ -226,6 +230,7 @@ class AioScheduler:
         first = plan.local_tokens // bs
         last = -(-(plan.local_tokens + num_external_tokens) // bs)
         block_ids = blocks.get_block_ids()[0]
+        self._lease(request.block_hashes[first:last])
         self._pending_loads.append(
             BlockTransfer.of(req_id, block_ids[first:last], request.block_hashes[first:last], first)
         )
@@ -234,6 +239,15 @@ class AioScheduler:
         if not known:  # the prompt's lookup; a resumed request's (generated tokens too) is not one
             self._lookups.hit_tokens += num_external_tokens
             self._lookups.miss_tokens += prompt_tokens - plan.local_tokens - num_external_tokens
+
+    def _lease(self, hashes: list[bytes]) -> None:
+        """Keep the promised blocks from eviction until the worker has read them (where the
+        store allows, ``Backend.lease_blocks``): without it, saves of this very step can
+        evict them, and the load then fails and vLLM recomputes."""
+        try:
+            self._backend.lease_blocks(self.parts, hashes, self._lease_seconds)
+        except Exception as exc:  # the load finds out what is gone, and vLLM recomputes that
+            logger.warning("vllm_aio: pool lease failed, the load goes on unprotected: %s", exc)
 
     # ---- per step --------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> AioConnectorMetadata:

@@ -24,6 +24,10 @@ one file in ``/dev/shm`` that every process maps:
   (``pool/keys.py``) counts the group's READY values. ``commit`` adds one,
   eviction takes one away, so a record is exact at every moment the lock is
   free. Keys that are not block keys have no record.
+* A lease keeps values from eviction until a deadline (``lease_ids``): the
+  scheduler leases the blocks it promises to a load, so a save's eviction
+  between the lookup and the worker's read cannot take them. Deadlines are
+  ``CLOCK_MONOTONIC`` times, one clock for every process of the host.
 * An eviction log tells any attached process which blocks lost a value, so
   an instance can report ``BlockRemoved`` for blocks evicted by another
   process (a worker's put, another instance sharing the pool): the k-th
@@ -51,6 +55,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -63,9 +68,9 @@ from vllm_aio.pool.keys import block_of_key, parse_block_key
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "vllm_aio."
 _LOCK_PREFIX = "vllm_aio_lock."
-_MAGIC = 0x41494F504F4F4C34  # "AIOPOOL4": eviction log added
-# "AIOPOOL1": no block records; "AIOPOOL2": no classes; "AIOPOOL3": no eviction log
-_OLD_MAGICS = (0x41494F504F4F4C31, 0x41494F504F4F4C32, 0x41494F504F4F4C33)
+_MAGIC = 0x41494F504F4F4C35  # "AIOPOOL5": read leases added
+# "AIOPOOL1": no block records; "AIOPOOL2": no classes; "AIOPOOL3": no eviction log; "AIOPOOL4": no leases
+_OLD_MAGICS = (0x41494F504F4F4C31, 0x41494F504F4F4C32, 0x41494F504F4F4C33, 0x41494F504F4F4C34)
 _MAX_PIDS = 256
 _PAGE = 4096
 
@@ -81,6 +86,8 @@ _H_FIELDS = 16
 
 
 _U64 = np.dtype("<u8")
+# Lease deadlines: CLOCK_MONOTONIC, one clock for every process of the host.
+_now_ns = time.monotonic_ns
 
 
 @dataclass(frozen=True)
@@ -307,6 +314,7 @@ class _Layout:
             ("version", self.num_slots, np.int64),
             ("last_used", self.num_slots, np.int64),
             ("retention", self.num_slots, np.int64),  # evicted lowest class first
+            ("lease_until", self.num_slots, np.int64),  # CLOCK_MONOTONIC ns; not evicted before
             ("state", self.num_slots, np.int64),
             ("slot_group_hi", self.num_slots, np.int64),  # 0: the slot's key has no block record
             ("slot_group_lo", self.num_slots, np.int64),
@@ -451,6 +459,7 @@ class SharedHostPool:
         self._version = view("version")
         self._last_used = view("last_used")
         self._retention = view("retention")
+        self._lease_until = view("lease_until")
         self._state = view("state")
         self._slot_group_hi = view("slot_group_hi")
         self._slot_group_lo = view("slot_group_lo")
@@ -616,7 +625,8 @@ class SharedHostPool:
         return slots
 
     def _evict(self, count: int) -> list[int]:
-        ready = np.flatnonzero(self._state == READY)
+        # A leased value (``lease``) is promised to a load that has not read it yet.
+        ready = np.flatnonzero((self._state == READY) & (self._lease_until <= _now_ns()))
         if not len(ready):
             return []
         count = min(count, len(ready))
@@ -781,6 +791,20 @@ class SharedHostPool:
             self._header[_H_LOOKUPS] += len(slots)
             self._header[_H_HITS] += len(hits)
         return slots, versions
+
+    def lease_ids(self, hi: np.ndarray, lo: np.ndarray, seconds: float) -> int:
+        """Keep the values with these ids from eviction for ``seconds`` (absent ids are skipped); how many are held.
+
+        A lease only ever grows (another holder may need it longer) and ends by
+        time alone: its holder, a scheduler that promised the values to a load,
+        may die without a word, and a count would then hold them forever.
+        """
+        until = _now_ns() + int(seconds * 1e9)
+        with self._locked():
+            slots = self._find_many(hi, lo)
+            held = slots[slots >= 0]
+            self._lease_until[held] = np.maximum(self._lease_until[held], until)
+        return len(held)
 
     def unchanged(self, slots: np.ndarray, versions: np.ndarray) -> np.ndarray:
         """``still_valid`` of many pins at once (a bool array)."""
