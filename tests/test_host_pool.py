@@ -9,6 +9,7 @@ Every test uses a pool name of its own and checks nothing is left behind.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import multiprocessing as mp
 import os
@@ -362,6 +363,26 @@ def test_usage_counts_ready_slots_bytes_evictions_and_lookups(name):
 
 
 # ---- lifecycle in /dev/shm -----------------------------------------------------
+
+
+def test_a_new_pool_holds_all_its_memory_from_the_start(name):
+    # Pages allocated on first write would be a SIGBUS mid-step once /dev/shm fills up.
+    pool = SharedHostPool(name, SLOT, 64)
+    try:
+        st = os.stat(pool_path(name))
+        assert st.st_blocks * 512 >= st.st_size
+    finally:
+        pool.close()
+
+
+def test_a_pool_dev_shm_cannot_hold_fails_at_start_naming_local_pool_size_and_leaves_nothing(name, monkeypatch):
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(host_pool.os, "posix_fallocate", full)
+    with pytest.raises(RuntimeError, match=r"local_pool_size: could not allocate .*No space left on device"):
+        SharedHostPool(name, SLOT, 64)
+    assert leftovers(name) == []
 
 
 def test_first_attach_creates_the_pool_file_and_its_lock(name):

@@ -422,7 +422,7 @@ class SharedHostPool:
             layout = _Layout(slot_size, num_slots)
             _check_shm_space(layout.file_bytes)
             fd = _open_private(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
-            os.ftruncate(fd, layout.file_bytes)
+            _allocate_file(self.path, fd, layout.file_bytes)
         else:
             fd = _open_private(self.path, os.O_RDWR)
             head = np.frombuffer(os.pread(fd, 8 * _H_FIELDS, 0), dtype=np.int64)
@@ -937,6 +937,25 @@ def _check_shm_space(needed: int) -> None:
             f"local_pool_size: the pool needs {needed / 2**30:.2f} GiB in {SHM_DIR} but only "
             f"{free / 2**30:.2f} GiB is free; lower local_pool_size or enlarge {SHM_DIR}"
         )
+
+
+def _allocate_file(path: Path, fd: int, size: int) -> None:
+    """Give the new pool file all its memory now.
+
+    A file only truncated to its size gets its pages when first written: with
+    ``/dev/shm`` filled meanwhile (by anyone), the write that needs a page
+    kills the writing process with SIGBUS, mid-step. Allocated up front, a
+    full ``/dev/shm`` is an error at start instead.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise RuntimeError(
+            f"local_pool_size: could not allocate the pool's {size / 2**30:.2f} GiB in {SHM_DIR} "
+            f"({os.strerror(exc.errno) if exc.errno else exc}); lower local_pool_size or free {SHM_DIR}"
+        ) from None
 
 
 def _sweep_dead_pools(exclude: Path) -> None:

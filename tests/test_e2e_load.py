@@ -1,0 +1,123 @@
+"""Concurrent streaming load through ``vllm serve``, a pool smaller than the working set.
+
+How deployments run: many requests over a few shared prefixes, streamed, 16 in
+flight, so one step loads a prefix for some requests while it computes and
+saves it for others, and saves evict what earlier requests stored. Every
+output must equal a no-connector run of the same requests; /metrics must add
+up to what the requests saw; a shutdown must leave no process and no pool file.
+
+Determinism: the model runs in float32 (``--dtype float32``). In bf16 the batch
+a request shares a step with changes its logprobs by up to ~0.03 and near ties
+(top two within that) are common, so greedy tokens could differ for reasons
+that have nothing to do with the pool; in float32 two runs differ by ~1e-5.
+Tokens are compared up to the baseline's first near tie (top two within
+``TOLERANCE``), logprobs within ``TOLERANCE`` (``devtools/load.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import aio_config
+from vllm_aio.devtools.load import SERVER_ENV, LoadMix, Outcome, compare, read_metrics, run_load, server_args
+from vllm_aio.devtools.serve import free_port, log_tail, vllm_server, wait_healthy
+from vllm_aio.pool.host_pool import SHM_DIR, snapshot
+
+pytest_plugins = ["mooncake_fixtures"]
+
+MIX = LoadMix(num_requests=48, num_prefixes=6, prefix_tokens=(1024, 2048), tail_tokens=(16, 160), max_tokens=8,
+              seed=14)
+CONCURRENCY = 16
+TOLERANCE = 1e-3
+# float32 KV of the tiny model: 4 KiB a token, so ~13k distinct tokens (~1/2 of them shared
+# prefixes) take ~53 MB; the pools hold less than half of that.
+POOL_SIZE = "24MB"
+
+
+@dataclass
+class LoadRun:
+    outcomes: list[Outcome]
+    metrics: dict[str, float]
+    exit_code: int  # the server's, after SIGTERM
+    group_left: bool  # a process of the server's group still alive after it exited
+    log: str
+    seen: Any = None  # what ``before_stop`` returned
+
+
+def serve_load(model: Path, log_path: Path, kv_transfer_config: dict | None,
+               before_stop: Callable[[], Any] = lambda: None) -> LoadRun:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with vllm_server(str(model), port, log_path, server_args(CONCURRENCY), kv_transfer_config, SERVER_ENV) as proc:
+        wait_healthy(proc, base, log_path, 300)
+        outcomes = run_load(base, str(model), MIX.prompts(), CONCURRENCY, MIX.max_tokens, timeout=300)
+        metrics = read_metrics(base)
+        seen = before_stop()
+        proc.send_signal(signal.SIGTERM)  # as a user stops it; the context kills what is left
+        exit_code = proc.wait(timeout=120)
+        group_left = _group_alive_after(proc.pid, seconds=15)
+    return LoadRun(outcomes, metrics, exit_code, group_left, log_path.read_text(errors="replace"), seen)
+
+
+def _group_alive_after(pgid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model, tmp_path_factory) -> list[Outcome]:
+    run = serve_load(tiny_model, tmp_path_factory.mktemp("load-baseline") / "server.log", None)
+    assert [o.error for o in run.outcomes if o.error] == [], log_tail(Path(run.log))
+    assert len({tuple(o.token_ids) for o in run.outcomes}) > len(run.outcomes) // 2, "output does not vary"
+    return run.outcomes
+
+
+def assert_load_served_exactly(run: LoadRun, baseline: list[Outcome]) -> None:
+    assert [(o.index, o.error) for o in run.outcomes if o.error] == [], run.log[-3000:]
+    result = compare(run.outcomes, baseline, TOLERANCE)
+    assert result.compared == MIX.num_requests
+    assert result.wrong == [], result
+    m = run.metrics
+    # Every prompt was looked up once, all of it (vLLM's own prefix cache is off).
+    prompt_tokens = sum(o.prompt_tokens for o in run.outcomes)
+    assert m["vllm:aio_hit_tokens_total"] + m["vllm:aio_miss_tokens_total"] == prompt_tokens, m
+    # What vLLM reported cached is what the pool served: hits less those whose load failed.
+    cached = sum(o.cached_tokens for o in run.outcomes)
+    assert cached == m["vllm:aio_hit_tokens_total"] - m["vllm:aio_failed_hit_tokens_total"], m
+    assert cached >= 0.3 * prompt_tokens, (cached, prompt_tokens)
+    assert run.exit_code == 0 and not run.group_left, run.log[-3000:]
+
+
+def test_embedded_pool_serves_a_concurrent_shared_prefix_load_exactly_and_leaves_nothing(
+    tiny_model, tmp_path, baseline
+):
+    name = f"load-{uuid.uuid4().hex[:8]}"  # named, so the test can find what is left of it
+    config = aio_config(local_pool_size=POOL_SIZE, local_pool_name=name)
+    run = serve_load(tiny_model, tmp_path / "server.log", config, before_stop=lambda: snapshot(name).usage)
+    assert_load_served_exactly(run, baseline)
+    assert run.seen.evictions > 0, run.seen  # the load turned the pool over
+    assert sorted(p.name for p in SHM_DIR.glob(f"*{name}*")) == []
+    assert run.metrics["vllm:aio_failed_hit_tokens_total"] == 0  # leased until loaded: none lost to eviction
+
+
+def test_mooncake_serves_a_concurrent_shared_prefix_load_exactly(tiny_model, tmp_path, baseline,
+                                                                 mooncake_pool_factory):
+    pool = mooncake_pool_factory(POOL_SIZE)
+    run = serve_load(tiny_model, tmp_path / "server.log", aio_config(backend="mooncake", **pool.config))
+    assert_load_served_exactly(run, baseline)
+    assert pool.alive()
