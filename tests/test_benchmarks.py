@@ -42,6 +42,7 @@ SCRIPTS = {
     "mooncake_ttft": (("vllm", "mooncake"), "model"),
     "migration": (("vllm", "mooncake"), "model"),
     "priority": (("vllm",), "system"),  # one engine at a time: run beside the others
+    "soak": (("vllm",), "soak"),  # one server at a time, as priority
 }
 ENGINE_SCRIPTS = ("ttft", "mooncake_ttft", "migration")
 PLOTTED = "pool_bandwidth"  # a cheap script whose run also draws its plot (benchmarks/_report.plot)
