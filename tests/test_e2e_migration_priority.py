@@ -1,0 +1,126 @@
+"""Migration by priority end to end: ``vllm-aio migrate --policy priority`` in front of two real instances.
+
+A (the source) has a KV cache of 56 blocks of 32 tokens under ``--scheduling-policy
+priority``: four low-priority requests and one high-priority one, 300-token prompts
+decoding 256 tokens each, fit with their prompts but not with their growth, so
+vLLM preempts the low ones (the high one is never preempted) and they wait. B has
+room. The router, through which every request goes (placed on A), sees A's
+preemptions and waiting requests in its ``/metrics`` and moves A's most important
+request, the high-priority one, to B with its KV at a block boundary. Its
+output must equal the same request run alone on A without any move (greedy), and
+every low-priority request must complete with its unmigrated output too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from conftest import ROOT, aio_config, make_prompts, require
+from servers import Servers
+from vllm_aio.devtools.serve import free_port, stop_server, wait_healthy
+from vllm_aio.migration.driver import Instance, generate_migrating
+
+MAX_TOKENS = 256
+HIGH, LOW = 0, 1  # vLLM: lower is more important
+PROMPTS = make_prompts(41, [300, 296, 304, 298, 302])  # the first is the high-priority one
+PRIORITY = ["--scheduling-policy", "priority"]
+# 56 blocks hold the five prompts (50 blocks) but not their first 53 tokens each:
+# vLLM preempts low-priority requests from then on. max_model_len must fit the cache.
+SMALL_KV = ["--num-gpu-blocks-override", "56", "--max-model-len", "1024"]
+NO_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    require("vllm")
+    require("mooncake.engine")
+    require("aiohttp")
+    config = aio_config(migration=True, migration_hostname="127.0.0.1", local_pool_size="256MB")
+    servers = Servers(tiny_model, tmp_path_factory.mktemp("priority"))
+    try:
+        yield servers.start({"a": config, "b": config}, {"a": PRIORITY + SMALL_KV, "b": PRIORITY})
+    finally:
+        servers.close()
+
+
+@pytest.fixture(scope="module")
+def router(cluster, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("router") / "router.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "vllm_aio.cli", "migrate", "--policy", "priority",
+                                 "--instance", cluster["a"].url, "--instance", cluster["b"].url,
+                                 "--port", str(port), "--interval", "0.1"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log, 60)
+        yield url
+    finally:
+        stop_server(proc, grace_s=10)
+
+
+def alone(instance: Instance, prompt: list[int]) -> list[int]:
+    """The whole greedy generation on one instance, nothing else running, no move."""
+    result = generate_migrating(instance, instance, prompt, MAX_TOKENS, MAX_TOKENS + 1, NO_EOS)
+    assert result.moved_after is None and len(result.token_ids) == MAX_TOKENS
+    return result.token_ids
+
+
+def streamed(router: str, model: str, prompt: list[int], priority: int) -> tuple[list[int], float]:
+    """A streamed completion through the router: its token ids and seconds taken."""
+    start = time.monotonic()
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "priority": priority,
+            "stream": True, "return_token_ids": True, **NO_EOS}
+    tokens = []
+    with requests.post(f"{router}/v1/completions", json=body, headers={"X-Instance": "0"}, stream=True,
+                       timeout=300) as reply:
+        assert reply.status_code == 200, reply.text
+        for line in reply.iter_lines():
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[len(b"data: "):])
+                assert "error" not in chunk, chunk
+                for choice in chunk["choices"]:
+                    tokens += choice.get("token_ids") or []
+    return tokens, time.monotonic() - start
+
+
+def collected(router: str, model: str, prompt: list[int], priority: int) -> list[int]:
+    """A non-streamed completion through the router: its token ids."""
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "priority": priority,
+            "return_token_ids": True, **NO_EOS}
+    reply = requests.post(f"{router}/v1/completions", json=body, headers={"X-Instance": "0"}, timeout=300)
+    assert reply.status_code == 200, reply.text
+    (choice,) = reply.json()["choices"]
+    assert choice["finish_reason"] == "length"
+    return choice["token_ids"]
+
+
+def test_pressured_instance_moves_its_high_priority_request_which_completes_unchanged(cluster, router):
+    a = Instance(cluster["a"].url, timeout=120)
+    want = [alone(a, prompt) for prompt in PROMPTS]
+    model = a.model()
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        lows = [pool.submit(collected, router, model, prompt, LOW) for prompt in PROMPTS[1:]]
+        time.sleep(0.5)  # the low-priority requests run first: the high one arrives among them
+        high = pool.submit(streamed, router, model, PROMPTS[0], HIGH)
+        got_high, seconds = high.result()
+        got_lows = [low.result() for low in lows]
+    moves = requests.get(f"{router}/router/status", timeout=10).json()["moves"]
+    assert moves, "nothing moved: was A pressured?"
+    first = moves[0]
+    assert first["priority"] == HIGH and first["source"] == a.url and first["target"] == cluster["b"].url
+    assert first["mode"] == "copy" and not first["stalled"] and first["after_tokens"] > 0, first
+    print(f"high-priority request: {seconds:.2f} s, moved after {first['after_tokens']} tokens "
+          f"({first['seconds']:.3f} s); moves: {moves}")
+    assert got_high == want[0]
+    assert got_lows == want[1:]
