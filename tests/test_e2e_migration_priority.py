@@ -31,7 +31,9 @@ from vllm_aio.migration.driver import Instance, generate_migrating
 MAX_TOKENS = 256
 HIGH, LOW = 0, 1  # vLLM: lower is more important
 PROMPTS = make_prompts(41, [300, 296, 304, 298, 302])  # the first is the high-priority one
-PRIORITY = ["--scheduling-policy", "priority"]
+# float32: a batch of five rounds its matrix products differently from a request alone; in
+# bfloat16 that flips near-tied greedy tokens of the random tiny model, in float32 it does not.
+PRIORITY = ["--scheduling-policy", "priority", "--dtype", "float32"]
 # 56 blocks hold the five prompts (50 blocks) but not their first 53 tokens each:
 # vLLM preempts low-priority requests from then on. max_model_len must fit the cache.
 SMALL_KV = ["--num-gpu-blocks-override", "56", "--max-model-len", "1024"]

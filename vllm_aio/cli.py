@@ -227,8 +227,12 @@ def migrate(args: argparse.Namespace) -> int:
 
 
 def route(args: argparse.Namespace) -> int:
+    import logging
+
     from vllm_aio.migration.driver import Instance
     from vllm_aio.migration.router import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")  # its moves, one a line
 
     if len(args.instance) < 2:
         print("vllm-aio migrate --policy: at least two --instance URLs", file=sys.stderr)

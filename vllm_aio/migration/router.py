@@ -120,6 +120,7 @@ class Router:
         self.loads: dict[str, Load] = {}
         self._before: dict[str, Load] = {}
         self._busy: set[str] = set()  # instances a move is in flight from or to
+        self._pressured: set[str] = set()  # at the last poll: logged when an instance becomes pressured
         self.block_size: int | None = None
         self.http: aiohttp.ClientSession | None = None  # opened with the app
 
@@ -172,11 +173,20 @@ class Router:
     async def _poll(self) -> None:
         loads = await asyncio.gather(*(self._load(i) for i in self.instances))
         self._before, self.loads = self.loads, {i.url: load for i, load in zip(self.instances, loads) if load}
+        self._log_pressure()
         if self.policy is None or await self._block() is None:
             return
         candidates = [f.candidate() for f in self.flights.values() if f.order is None]
         for move in pick_moves(self._before, self.loads, candidates, self.block_size, self._busy):
             self._order(move)
+
+    def _log_pressure(self) -> None:
+        now = {url for url, load in self.loads.items() if pressured(self._before.get(url), load)}
+        for url in now - self._pressured:
+            load = self.loads[url]
+            logger.info("vllm_aio router: %s pressured (%d waiting, %.0f preemptions, %d of %d KV blocks free)",
+                        url, load.waiting, load.preemptions, load.free_blocks, load.kv_blocks)
+        self._pressured = now
 
     async def _load(self, instance: Instance) -> Load | None:
         try:
