@@ -2,7 +2,7 @@
 
 A (the source) has a KV cache of 56 blocks of 32 tokens under ``--scheduling-policy
 priority``: four low-priority requests and one high-priority one, 300-token prompts
-decoding 256 tokens each, fit with their prompts but not with their growth, so
+decoding 256 tokens (640 the high one), fit with their prompts but not with their growth, so
 vLLM preempts the low ones (the high one is never preempted) and they wait. B has
 room. The router, through which every request goes (placed on A), sees A's
 preemptions and waiting requests in its ``/metrics`` and moves A's most important
@@ -28,7 +28,9 @@ from servers import Servers
 from vllm_aio.devtools.serve import free_port, stop_server, wait_healthy
 from vllm_aio.migration.driver import Instance, generate_migrating
 
-MAX_TOKENS = 256
+# The high-priority request decodes longer than the others, so that it is still running on A
+# when the router, on a loaded 2-core machine, sees the pressure and reaches a block boundary.
+HIGH_TOKENS, LOW_TOKENS = 640, 256
 HIGH, LOW = 0, 1  # vLLM: lower is more important
 PROMPTS = make_prompts(41, [300, 296, 304, 298, 302])  # the first is the high-priority one
 # float32: a batch of five rounds its matrix products differently from a request alone; in
@@ -71,17 +73,21 @@ def router(cluster, tmp_path_factory):
         stop_server(proc, grace_s=10)
 
 
-def alone(instance: Instance, prompt: list[int]) -> list[int]:
+def alone(instance: Instance, prompt: list[int], max_tokens: int) -> list[int]:
     """The whole greedy generation on one instance, nothing else running, no move."""
-    result = generate_migrating(instance, instance, prompt, MAX_TOKENS, MAX_TOKENS + 1, NO_EOS)
-    assert result.moved_after is None and len(result.token_ids) == MAX_TOKENS
+    result = generate_migrating(instance, instance, prompt, max_tokens, max_tokens + 1, NO_EOS)
+    assert result.moved_after is None and len(result.token_ids) == max_tokens
     return result.token_ids
+
+
+def first_difference(got: list[int], want: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
 
 
 def streamed(router: str, model: str, prompt: list[int], priority: int) -> tuple[list[int], float]:
     """A streamed completion through the router: its token ids and seconds taken."""
     start = time.monotonic()
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "priority": priority,
+    body = {"model": model, "prompt": prompt, "max_tokens": HIGH_TOKENS, "temperature": 0.0, "priority": priority,
             "stream": True, "return_token_ids": True, **NO_EOS}
     tokens = []
     with requests.post(f"{router}/v1/completions", json=body, headers={"X-Instance": "0"}, stream=True,
@@ -98,7 +104,7 @@ def streamed(router: str, model: str, prompt: list[int], priority: int) -> tuple
 
 def collected(router: str, model: str, prompt: list[int], priority: int) -> list[int]:
     """A non-streamed completion through the router: its token ids."""
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "priority": priority,
+    body = {"model": model, "prompt": prompt, "max_tokens": LOW_TOKENS, "temperature": 0.0, "priority": priority,
             "return_token_ids": True, **NO_EOS}
     reply = requests.post(f"{router}/v1/completions", json=body, headers={"X-Instance": "0"}, timeout=300)
     assert reply.status_code == 200, reply.text
@@ -109,7 +115,10 @@ def collected(router: str, model: str, prompt: list[int], priority: int) -> list
 
 def test_pressured_instance_moves_its_high_priority_request_which_completes_unchanged(cluster, router):
     a = Instance(cluster["a"].url, timeout=120)
-    want = [alone(a, prompt) for prompt in PROMPTS]
+    lengths = [HIGH_TOKENS] + [LOW_TOKENS] * (len(PROMPTS) - 1)
+    for prompt in PROMPTS:  # A's pool then holds the prompts' full blocks, as it does when they run below
+        alone(a, prompt, 1)
+    want = [alone(a, prompt, n) for prompt, n in zip(PROMPTS, lengths)]
     model = a.model()
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         lows = [pool.submit(collected, router, model, prompt, LOW) for prompt in PROMPTS[1:]]
@@ -124,5 +133,5 @@ def test_pressured_instance_moves_its_high_priority_request_which_completes_unch
     assert first["mode"] == "copy" and not first["stalled"] and first["after_tokens"] > 0, first
     print(f"high-priority request: {seconds:.2f} s, moved after {first['after_tokens']} tokens "
           f"({first['seconds']:.3f} s); moves: {moves}")
-    assert got_high == want[0]
+    assert got_high == want[0], f"first difference at token {first_difference(got_high, want[0])}"
     assert got_lows == want[1:]

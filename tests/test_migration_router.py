@@ -279,6 +279,17 @@ def test_an_unknown_instance_name_is_refused():
     assert run(scenario()) == 400
 
 
+def test_a_priority_that_is_not_an_integer_is_refused():
+    async def scenario():
+        async with Cluster(Fake(CALM), Fake(CALM)) as c:
+            body = {"model": "m", "prompt": PROMPT, "max_tokens": 5, "priority": "high"}
+            async with c.http.post(f"{c.url}/v1/completions", json=body) as reply:
+                return reply.status, c
+
+    status, c = run(scenario())
+    assert status == 400 and c.a.completions == c.b.completions == []
+
+
 def test_new_requests_go_to_the_instance_with_the_most_free_kv():
     async def scenario():
         async with Cluster(Fake(PRESSURED), Fake(CALM), policy=None) as c:

@@ -229,6 +229,9 @@ class Router:
             return _error(400, f"X-Instance names none of the {len(self.instances)} instances")
         if not _movable(body):
             return await self._forward(request, instance, body)
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            return _error(400, f"priority must be an integer, got {priority!r}")
         prompt = body["prompt"]
         if isinstance(prompt, str):
             try:
@@ -236,7 +239,7 @@ class Router:
             except _UpstreamError as exc:
                 return exc.response()
         rest = {k: v for k, v in body.items() if k != "prompt"}
-        flight = Flight(f"cmpl-{uuid.uuid4().hex}", int(body.get("priority", 0)), prompt, rest, instance)
+        flight = Flight(f"cmpl-{uuid.uuid4().hex}", priority, prompt, rest, instance)
         self.flights[flight.request_id] = flight
         relay = _Relay(self, flight)
         try:
