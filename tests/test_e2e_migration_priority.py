@@ -113,6 +113,16 @@ def collected(router: str, model: str, prompt: list[int], priority: int) -> list
     return choice["token_ids"]
 
 
+def scenario(url: str, model: str) -> tuple[list[int], float, list[list[int]]]:
+    """The low-priority requests, then the high-priority one, sent to ``url`` (the router, or an
+    instance): the high one's tokens and seconds, the low ones' tokens."""
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        lows = [pool.submit(collected, url, model, prompt, LOW) for prompt in PROMPTS[1:]]
+        time.sleep(0.5)  # the low-priority requests run first: the high one arrives among them
+        high, seconds = pool.submit(streamed, url, model, PROMPTS[0], HIGH).result()
+        return high, seconds, [low.result() for low in lows]
+
+
 def test_pressured_instance_moves_its_high_priority_request_which_completes_unchanged(cluster, router):
     a = Instance(cluster["a"].url, timeout=120)
     lengths = [HIGH_TOKENS] + [LOW_TOKENS] * (len(PROMPTS) - 1)
@@ -120,18 +130,15 @@ def test_pressured_instance_moves_its_high_priority_request_which_completes_unch
         alone(a, prompt, 1)
     want = [alone(a, prompt, n) for prompt, n in zip(PROMPTS, lengths)]
     model = a.model()
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        lows = [pool.submit(collected, router, model, prompt, LOW) for prompt in PROMPTS[1:]]
-        time.sleep(0.5)  # the low-priority requests run first: the high one arrives among them
-        high = pool.submit(streamed, router, model, PROMPTS[0], HIGH)
-        got_high, seconds = high.result()
-        got_lows = [low.result() for low in lows]
+    got_high, seconds, got_lows = scenario(router, model)
     moves = requests.get(f"{router}/router/status", timeout=10).json()["moves"]
     assert moves, "nothing moved: was A pressured?"
     first = moves[0]
     assert first["priority"] == HIGH and first["source"] == a.url and first["target"] == cluster["b"].url
     assert first["mode"] == "copy" and not first["stalled"] and first["after_tokens"] > 0, first
-    print(f"high-priority request: {seconds:.2f} s, moved after {first['after_tokens']} tokens "
-          f"({first['seconds']:.3f} s); moves: {moves}")
     assert got_high == want[0], f"first difference at token {first_difference(got_high, want[0])}"
     assert got_lows == want[1:]
+    # The figure, after the checks: the same requests sent to A directly, where nothing moves.
+    _, staying, _ = scenario(cluster["a"].url, model)
+    print(f"high-priority request: {seconds:.2f} s through the router (moved after {first['after_tokens']} "
+          f"tokens, the move {first['seconds']:.3f} s), {staying:.2f} s on A without moves; moves: {moves}")

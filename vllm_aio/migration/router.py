@@ -35,6 +35,7 @@ import json
 import re
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ from vllm_aio.migration.policy import Candidate, Load, Move, pick_moves, pressur
 logger = get_logger(__name__)
 
 POLICIES = ("priority",)
+MOVES_KEPT = 1000  # the latest moves, for /router/status
 # Fields that make a completion impossible to resume as one sequence elsewhere.
 _UNMOVABLE = {"n": 1, "best_of": 1, "echo": False}
 _METRIC = re.compile(r'^(vllm:[a-z_]+)(?:\{([^}]*)\})? (\S+)')
@@ -116,7 +118,7 @@ class Router:
         self.interval_s = interval_s
         self.stall_s = stall_s
         self.flights: dict[str, Flight] = {}
-        self.moves: list[MoveRecord] = []
+        self.moves: deque[MoveRecord] = deque(maxlen=MOVES_KEPT)
         self.loads: dict[str, Load] = {}
         self._before: dict[str, Load] = {}
         self._busy: set[str] = set()  # instances a move is in flight from or to
@@ -135,7 +137,9 @@ class Router:
         return app
 
     async def _lifetime(self, _app: web.Application) -> AsyncIterator[None]:
-        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        # No connection limit: every stream in flight holds one (aiohttp's default caps them at 100).
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                          timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         monitor = asyncio.create_task(self._monitor())
         yield
         monitor.cancel()
