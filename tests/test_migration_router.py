@@ -64,7 +64,7 @@ class Fake:
         return web.Response(text="\n".join([
             "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
             f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {load["waiting"]}.0',
-            'vllm:num_preemptions_total{{engine="0",model_name="m"}} 0.0',
+            'vllm:num_preemptions_total{engine="0",model_name="m"} 0.0',
             f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {load["usage"]}',
             f'vllm:cache_config_info{{block_size="{BLOCK}",engine="0",num_gpu_blocks="{load["blocks"]}"}} 1.0',
         ]))
