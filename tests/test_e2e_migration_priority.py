@@ -6,7 +6,8 @@ decoding 256 tokens (640 the high one), fit with their prompts but not with thei
 vLLM preempts the low ones (the high one is never preempted) and they wait. B has
 room. The router, through which every request goes (placed on A), sees A's
 preemptions and waiting requests in its ``/metrics`` and moves A's most important
-request, the high-priority one, to B with its KV at a block boundary. Its
+request, the high-priority one, to B with its KV at a block boundary (and, while A
+stays pressured, low-priority ones after it). Its
 output must equal the same request run alone on A without any move (greedy), and
 every low-priority request must complete with its unmigrated output too.
 """
@@ -33,8 +34,9 @@ from vllm_aio.migration.driver import Instance, generate_migrating
 HIGH_TOKENS, LOW_TOKENS = 640, 256
 HIGH, LOW = 0, 1  # vLLM: lower is more important
 PROMPTS = make_prompts(41, [300, 296, 304, 298, 302])  # the first is the high-priority one
-# float32: a batch of five rounds its matrix products differently from a request alone; in
-# bfloat16 that flips near-tied greedy tokens of the random tiny model, in float32 it does not.
+# float32: in bfloat16 a near-tied greedy token of the random tiny model flipped (token 26 of one
+# run) between the crowded run and the reference alone, whose steps round differently (a batch of
+# five against one request); float32's finer rounding keeps them equal.
 PRIORITY = ["--scheduling-policy", "priority", "--dtype", "float32"]
 # 56 blocks hold the five prompts (50 blocks) but not their first 53 tokens each:
 # vLLM preempts low-priority requests from then on. max_model_len must fit the cache.
