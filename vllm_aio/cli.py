@@ -232,11 +232,10 @@ def route(args: argparse.Namespace) -> int:
     from vllm_aio.migration.driver import Instance
     from vllm_aio.migration.router import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")  # its moves, one a line
-
     if len(args.instance) < 2:
         print("vllm-aio migrate --policy: at least two --instance URLs", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")  # its moves, one a line
     instances = [Instance(url.rstrip("/"), args.api_key) for url in args.instance]
     print(f"router on http://{args.host}:{args.port} (policy {args.policy}) in front of "
           f"{', '.join(i.url for i in instances)}", file=sys.stderr, flush=True)
