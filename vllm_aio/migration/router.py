@@ -362,7 +362,7 @@ class _Upstream:
                     if data == b"[DONE]":
                         break
                     await self.queue.put(json.loads(data))
-        except (aiohttp.ClientError, _UpstreamError) as exc:
+        except (aiohttp.ClientError, _UpstreamError, ValueError) as exc:  # ValueError: a chunk that is not JSON
             await self.queue.put(exc)
         await self.queue.put(_END)
 
