@@ -48,6 +48,7 @@ class Fake:
     token_s: float = 0.01  # seconds per generated token
     stalls: bool = False  # accepts completions but never generates (a request waiting for KV)
     refuse_flush: bool = False
+    refuse_completions: bool = False  # answers 400, as vLLM does to a request it rejects
     calls: list[str] = field(default_factory=list)
     completions: list[dict] = field(default_factory=list)
     aborted: int = 0  # streams the client closed before the end
@@ -87,6 +88,8 @@ class Fake:
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.completions.append(body)
+        if self.refuse_completions:
+            return web.json_response({"error": {"message": "priority scheduling is off"}}, status=400)
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": "x"}, {"text": "y"}], "forwarded": True})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -277,6 +280,17 @@ def test_an_unknown_instance_name_is_refused():
                 return reply.status
 
     assert run(scenario()) == 400
+
+
+def test_an_instance_refusing_the_request_gives_the_client_its_status_and_reason():
+    async def scenario():
+        async with Cluster(Fake(CALM, refuse_completions=True), Fake(CALM)) as c:
+            body = {"model": "m", "prompt": PROMPT, "max_tokens": 5, "stream": True, "priority": 3}
+            async with c.http.post(f"{c.url}/v1/completions", json=body, headers={"X-Instance": "0"}) as reply:
+                return reply.status, await reply.text(), c.router.flights
+
+    status, text, flights = run(scenario())
+    assert status == 400 and "priority scheduling is off" in text and flights == {}
 
 
 def test_a_priority_that_is_not_an_integer_is_refused():
