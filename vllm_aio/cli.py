@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     routing.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
     routing.add_argument("--interval", type=float, default=0.25, help="seconds between polls of the instances' "
                          "/metrics (default 0.25)")
+    routing.add_argument("--stall", type=float, default=1.0, help="seconds without a token after which a request "
+                         "ordered to move counts as waiting or preempted and moves at once, not at a block "
+                         "boundary (default 1)")
     _pool_commands(commands)
     return parser
 
@@ -239,7 +242,7 @@ def route(args: argparse.Namespace) -> int:
     instances = [Instance(url.rstrip("/"), args.api_key) for url in args.instance]
     print(f"router on http://{args.host}:{args.port} (policy {args.policy}) in front of "
           f"{', '.join(i.url for i in instances)}", file=sys.stderr, flush=True)
-    serve(instances, args.host, args.port, args.policy, args.interval)
+    serve(instances, args.host, args.port, args.policy, args.interval, args.stall)
     return 0
 
 

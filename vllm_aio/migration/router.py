@@ -505,6 +505,7 @@ def _sse(chunk: dict) -> bytes:
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
-def serve(instances: list[Instance], host: str, port: int, policy: str | None, interval_s: float) -> None:
+def serve(instances: list[Instance], host: str, port: int, policy: str | None, interval_s: float,
+          stall_s: float) -> None:
     """Run the router until interrupted."""
-    web.run_app(Router(instances, policy, interval_s).app(), host=host, port=port, print=None)
+    web.run_app(Router(instances, policy, interval_s, stall_s).app(), host=host, port=port, print=None)
