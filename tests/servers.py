@@ -45,14 +45,16 @@ class Servers:
     workdir: Path
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
-    def start(self, specs: dict[str, dict]) -> dict[str, Server]:
-        """Start one server per ``name -> kv_transfer_config`` and wait until all are healthy."""
+    def start(self, specs: dict[str, dict], args: dict[str, list[str]] | None = None) -> dict[str, Server]:
+        """Start one server per ``name -> kv_transfer_config`` and wait until all are healthy;
+        ``args[name]`` adds to (or, for a flag given twice, overrides) SERVER_ARGS."""
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0", "VLLM_PLUGINS": PLUGINS,
                "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
         servers = {}
         for name, config in specs.items():
             port, log = free_port(), self.workdir / f"{name}.log"
-            proc = self.stack.enter_context(vllm_server(str(self.model), port, log, SERVER_ARGS, config, env))
+            server_args = SERVER_ARGS + (args or {}).get(name, [])
+            proc = self.stack.enter_context(vllm_server(str(self.model), port, log, server_args, config, env))
             servers[name] = Server(name, f"http://127.0.0.1:{port}", proc, log)
         for server in servers.values():
             wait_healthy(server.proc, server.url, server.log, STARTUP_S)

@@ -10,6 +10,10 @@ the cached blocks outlive the engines that put them.
 the KV it computed to another after ``--after`` tokens, and prints the whole
 generation and the move's figures as JSON (``vllm_aio.migration.driver``).
 Both instances run the connector with ``"migration": true``.
+``vllm-aio migrate --policy priority --instance URL --instance URL ...`` runs
+the router clients send their completions to instead: it moves the most
+important requests of a pressured instance to the one with the most free KV
+(``vllm_aio.migration.router``).
 
 ``vllm-aio pool ls | stats NAME | clear NAME [--namespace N]`` lists the
 embedded pools of this host, shows one, or evicts its stored values
@@ -68,17 +72,31 @@ def _parser() -> argparse.ArgumentParser:
         "migrate",
         help="move a running request, with its KV, from one vLLM instance to another",
         description="Generate on --source, move the request and its KV to --target after --after tokens, "
-        "finish it there, and print the generation and the move as JSON.",
+        "finish it there, and print the generation and the move as JSON. With --policy, run a router in "
+        "front of the --instance URLs instead, which moves requests by that policy.",
     )
-    move.add_argument("--source", required=True, help="source instance URL, e.g. http://127.0.0.1:8000")
-    move.add_argument("--target", required=True, help="target instance URL")
-    prompt = move.add_mutually_exclusive_group(required=True)
+    move.add_argument("--source", help="source instance URL, e.g. http://127.0.0.1:8000")
+    move.add_argument("--target", help="target instance URL")
+    prompt = move.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (tokenized by the source)")
     prompt.add_argument("--prompt-token-ids", type=Path, help="a JSON file holding a list of token ids")
     move.add_argument("--max-tokens", type=int, default=64)
     move.add_argument("--after", type=int, default=16, help="tokens generated on the source before the move")
     move.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                       help="the instances' --api-key (default: $VLLM_API_KEY)")
+    routing = move.add_argument_group("router (--policy)")
+    routing.add_argument("--policy", choices=["priority"],
+                         help="run a router serving /v1/completions in front of the --instance URLs; priority: "
+                         "move the most important requests (vLLM's priority field) of a pressured instance to "
+                         "the instance with the most free KV")
+    routing.add_argument("--instance", action="append", default=[], help="an instance URL (repeat, at least 2)")
+    routing.add_argument("--host", default="127.0.0.1", help="the router's address (default 127.0.0.1)")
+    routing.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
+    routing.add_argument("--interval", type=float, default=0.25, help="seconds between polls of the instances' "
+                         "/metrics (default 0.25)")
+    routing.add_argument("--stall", type=float, default=1.0, help="seconds without a token after which a request "
+                         "ordered to move counts as waiting or preempted and moves at once, not at a block "
+                         "boundary (default 1)")
     _pool_commands(commands)
     return parser
 
@@ -174,6 +192,12 @@ def _print_stats(info: PoolInfo) -> None:
 
 
 def migrate(args: argparse.Namespace) -> int:
+    if args.policy:
+        return route(args)
+    if not (args.source and args.target and (args.prompt or args.prompt_token_ids)):
+        print("vllm-aio migrate: --source, --target and --prompt or --prompt-token-ids are required "
+              "(or --policy with --instance URLs)", file=sys.stderr)
+        return 2
     import requests
 
     from vllm_aio.migration.driver import Instance, MigrationError, generate_migrating
@@ -203,6 +227,23 @@ def migrate(args: argparse.Namespace) -> int:
         "error": result.error,
     }, indent=2))
     return 0 if result.moved_after is not None else 1
+
+
+def route(args: argparse.Namespace) -> int:
+    import logging
+
+    from vllm_aio.migration.driver import Instance
+    from vllm_aio.migration.router import serve
+
+    if len(args.instance) < 2:
+        print("vllm-aio migrate --policy: at least two --instance URLs", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")  # its moves, one a line
+    instances = [Instance(url.rstrip("/"), args.api_key) for url in args.instance]
+    print(f"router on http://{args.host}:{args.port} (policy {args.policy}) in front of "
+          f"{', '.join(i.url for i in instances)}", file=sys.stderr, flush=True)
+    serve(instances, args.host, args.port, args.policy, args.interval, args.stall)
+    return 0
 
 
 def _wait_for_signal(pool_alive: Callable[[], bool]) -> str:

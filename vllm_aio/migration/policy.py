@@ -1,0 +1,81 @@
+"""Migration by priority: which in-flight request moves, and where (pure decisions; the router acts on them).
+
+An instance is *pressured* when vLLM preempted requests since the last poll,
+or requests waited at two polls running (one poll alone would count a request
+in transit between its arrival and its first scheduling step). From each
+pressured instance the most important in-flight request moves first, in
+vLLM's own order: lowest ``priority`` value, then earliest arrival (what
+``--scheduling-policy priority`` serves first and preempts last). It goes to
+the calm instance with the most free KV blocks, provided that instance has
+room for the request's blocks and more free blocks than the source; equal
+targets go to the first in the router's instance order. One move per source
+per poll, and none from or to an instance a move is already in flight on:
+the next poll's figures show the last move's effect before another is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Load:
+    """One instance's KV figures at one poll of its ``/metrics``."""
+
+    waiting: int  # vllm:num_requests_waiting
+    preemptions: float  # vllm:num_preemptions_total, cumulative
+    kv_usage: float  # vllm:kv_cache_usage_perc, 0..1
+    kv_blocks: int  # num_gpu_blocks of vllm:cache_config_info
+
+    @property
+    def free_blocks(self) -> int:
+        return int(self.kv_blocks * (1.0 - self.kv_usage))
+
+
+def pressured(before: Load | None, now: Load) -> bool:
+    if before is None:  # a first poll has nothing to compare with
+        return False
+    return now.preemptions > before.preemptions or (before.waiting > 0 and now.waiting > 0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An in-flight request the router could move."""
+
+    request_id: str
+    instance: str
+    priority: int  # vLLM's: lower is more important
+    arrival: float
+    tokens: int  # prompt + generated so far: the KV it takes on the target
+
+
+@dataclass(frozen=True)
+class Move:
+    request_id: str
+    source: str
+    target: str
+
+
+def pick_moves(before: Mapping[str, Load], now: Mapping[str, Load], candidates: Sequence[Candidate],
+               block_size: int, busy: Set[str] = frozenset()) -> list[Move]:
+    """The moves to start now; ``now`` lists the instances in the router's order, ``busy`` the
+    instances a move is in flight from or to."""
+    free = {url: load.free_blocks for url, load in now.items()}
+    calm = [url for url, load in now.items() if url not in busy and not pressured(before.get(url), load)]
+    moves = []
+    for source, load in now.items():
+        if source in busy or not pressured(before.get(source), load):
+            continue
+        mine = [c for c in candidates if c.instance == source]
+        if not mine:
+            continue
+        best = min(mine, key=lambda c: (c.priority, c.arrival))
+        need = -(-(best.tokens + 1) // block_size)  # its blocks, and the next token's
+        fits = [url for url in calm if url != source and free[url] >= need and free[url] > free[source]]
+        if not fits:
+            continue
+        target = max(fits, key=lambda url: free[url])  # max keeps the first of equals
+        free[target] -= need
+        moves.append(Move(best.request_id, source, target))
+    return moves
