@@ -177,3 +177,34 @@ def test_value_headers_overwritten_under_load_are_refused_and_recomputed(tiny_mo
     assert_load_served_exactly(run, baseline)
     assert run.metrics["vllm:aio_load_failures_total"] > 0
     assert "pool blocks could not be loaded" in run.log and "foreign" in run.log
+
+
+def test_a_worker_killed_under_load_fails_requests_with_an_error_and_hangs_none(tiny_model, tmp_path, baseline):
+    # vLLM cannot go on without its worker; what the connector owes is no hang: each request ends,
+    # with the baseline's output or an error, well before its client gives up.
+    log_path, port = tmp_path / "server.log", free_port()
+    base = f"http://127.0.0.1:{port}"
+    config = aio_config(local_pool_size=POOL_SIZE)
+    with vllm_server(str(tiny_model), port, log_path, server_args(CONCURRENCY), config, SERVER_ENV) as proc:
+        wait_healthy(proc, base, log_path, 300)
+        worker = _worker_pid(proc.pid)
+        kill = at(MIX.num_requests // 3, lambda: os.kill(worker, signal.SIGKILL))
+        done = iter(range(1, MIX.num_requests + 1))
+        # A stream silent for 120 s ends in a ReadTimeout: that would be a hang.
+        outcomes = run_load(base, str(tiny_model), MIX.prompts(), CONCURRENCY, MIX.max_tokens, timeout=120,
+                            on_done=lambda _: kill(next(done)))
+    failed = [o.error for o in outcomes if o.error]
+    assert failed, "the kill came after the last request"
+    assert not [e for e in failed if "Timeout" in e], failed
+    assert compare([o for o in outcomes if not o.error], [baseline[o.index] for o in outcomes if not o.error],
+                   TOLERANCE).wrong == []
+
+
+def _worker_pid(pgid: int) -> int:
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().strip() == "VLLM::Worker" and os.getpgid(int(comm.parent.name)) == pgid:
+                return int(comm.parent.name)
+        except (OSError, ValueError):
+            continue
+    raise AssertionError("no VLLM::Worker in the server's process group")
