@@ -17,6 +17,7 @@ Tokens are compared up to the baseline's first near tie (top two within
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 import uuid
@@ -39,6 +40,7 @@ MIX = LoadMix(num_requests=48, num_prefixes=6, prefix_tokens=(1024, 2048), tail_
               seed=14)
 CONCURRENCY = 16
 TOLERANCE = 1e-3
+SENSITIVE = re.compile(r"aio:[0-9a-f]{16}:|[0-9a-f]{64}|\[(\d+, ){15}\d+")
 # float32 KV of the tiny model: 4 KiB a token, so ~13k distinct tokens (~1/2 of them shared
 # prefixes) take ~53 MB; the pools hold less than half of that.
 POOL_SIZE = "24MB"
@@ -108,6 +110,9 @@ def assert_load_served_exactly(run: LoadRun, baseline: list[Outcome]) -> None:
     assert m["vllm:aio_failed_hit_tokens_total"] <= cached, m
     assert cached >= 0.3 * prompt_tokens, (cached, prompt_tokens)
     assert run.exit_code == 0 and not run.group_left, run.log[-3000:]
+    # Nothing that reveals a prompt in the connector's lines: no key, no block hash, no token ids.
+    ours = [line for line in run.log.splitlines() if "vllm_aio" in line]
+    assert not [line for line in ours if SENSITIVE.search(line)]
 
 
 def test_embedded_pool_serves_a_concurrent_shared_prefix_load_exactly_and_leaves_nothing(
