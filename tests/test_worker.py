@@ -238,8 +238,8 @@ def test_async_load_is_reported_finished_once_its_blocks_are_in_place(make_worke
     loader, _ = make_worker(backend=backend, caches=dst, load_async=True)
     loader.start_load_kv(AioConnectorMetadata(loads=[transfer([9, 10])]))
     loader.drain()
-    assert loader.get_finished() == {"r"}
-    assert loader.get_finished() == set()
+    assert loader.get_finished() == ({"r"}, set())
+    assert loader.get_finished() == (set(), set())
     assert loader.get_block_ids_with_load_errors() == set()
     assert all(torch.equal(dst[n][9:11], src[n][3:5]) for n in LAYERS)
 
@@ -248,7 +248,7 @@ def test_async_load_with_missing_blocks_finishes_and_reports_them(make_worker):
     loader, _ = make_worker(load_async=True)
     loader.start_load_kv(AioConnectorMetadata(loads=[transfer([9, 10])]))
     loader.drain()
-    assert loader.get_finished() == {"r"}
+    assert loader.get_finished() == ({"r"}, set())
     assert loader.get_block_ids_with_load_errors() == {9, 10}
 
 
