@@ -65,8 +65,9 @@ def test_a_lost_block_of_a_hybrid_model_recomputes_the_request(swa_model, swa_ba
     # vLLM 0.32 refuses failed block ids of several groups: the request is reported failed whole.
     engine = Engine(swa_model, tmp_path)
     config = aio_config(module="faulty_connector", connector="FaultyAioConnector", local_pool_size="256MB")
-    cold, warm = engine.run([PROMPTS, PROMPTS], config, env={"AIO_FAULT": "lost_and_torn"})
-    assert "vLLM recomputes the whole request" in engine.last_log
+    cold, warm = engine.run([PROMPTS, PROMPTS], config, env={"AIO_FAULT": "lost_and_torn"}, timeout=200)
+    # Once per request: a request recomputed after a failed load is not offered the pool again.
+    assert engine.last_log.count("vLLM recomputes the whole request") == len(PROMPTS)
     assert engine.last_counters["failed_hit_tokens"] > 0
     assert_same_generation(warm, swa_baseline)
 

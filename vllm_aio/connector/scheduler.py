@@ -135,6 +135,9 @@ class AioScheduler:
         # preempted, or its load is reported failed (update_connector_output).
         self._claims: dict[str, _Claim] = {}
         self._lookups = LookupCounts()
+        # Requests whose pool load failed whole (hybrid models): vLLM recomputes
+        # them from the start and asks again, and the pool must not be offered twice.
+        self._recompute: set[str] = set()
 
     def _parts_of(self, namespace) -> BlockParts:
         return BlockParts(
@@ -199,7 +202,7 @@ class AioScheduler:
 
     # ---- lookup ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        if not self._dep.load_enabled:
+        if not self._dep.load_enabled or request.request_id in self._recompute:
             return 0, False
         bs = self._dep.block_size
         hit_blocks = self._hit_blocks(request, num_computed_tokens // bs)
@@ -304,6 +307,7 @@ class AioScheduler:
         for req_id in scheduler_output.finished_req_ids:
             self._trackers.pop(req_id, None)
             self._claims.pop(req_id, None)
+            self._recompute.discard(req_id)
         meta = AioConnectorMetadata(
             loads=self._pending_loads, lookups=self._lookups, namespace_digest=self.parts.namespace_digest
         )
@@ -442,10 +446,12 @@ class AioScheduler:
         ``invalid_block_ids`` is the union over every worker: each failed
         request is counted once, from its first failed block on, which is
         what vLLM recomputes. ``failed_req_ids`` (hybrid models, whose loads
-        fail per request): vLLM recomputes the whole request.
+        fail per request): vLLM recomputes the whole request, and asks for it
+        again as for a new one; it gets no pool hit then (``_recompute``).
         """
         if not invalid_block_ids and not failed_req_ids:
             return
+        self._recompute |= failed_req_ids
         bs = self._dep.block_size
         for req_id, claim in list(self._claims.items()):
             if req_id in failed_req_ids:
@@ -462,6 +468,7 @@ class AioScheduler:
         self._trackers.pop(request.request_id, None)
         self._claims.pop(request.request_id, None)
         self._found.pop(request.request_id, None)
+        self._recompute.discard(request.request_id)
         return False, None
 
     def close(self) -> None:
