@@ -37,6 +37,7 @@ def _vllm_config(dcp: int, pcp: int) -> SimpleNamespace:
         ),
         model_config=SimpleNamespace(model="m", dtype=torch.bfloat16, use_mla=False, get_total_num_kv_heads=lambda: 1),
         kv_transfer_config=SimpleNamespace(kv_role="kv_both", engine_id="e"),
+        kv_events_config=None,
     )
 
 
@@ -136,7 +137,7 @@ def _hybrid(**options):
     from vllm_aio.connector.deployment import build_deployment
 
     vllm_config = _vllm_config(dcp=1, pcp=1)
-    vllm_config.kv_events_config = options.pop("kv_events_config", None)
+    vllm_config.kv_events_config = options.pop("kv_events_config", None)  # vLLM's own config, not the connector's
     return build_deployment(vllm_config, _groups_config(_attention(64), _attention()), AioConfig(**options))
 
 
@@ -181,6 +182,16 @@ def test_features_naming_one_groups_blocks_are_refused_for_a_hybrid_model(option
 
     with pytest.raises(ConfigError, match=reason):
         _hybrid(**option)
+
+
+@pytest.mark.parametrize("option", ["dynamic_buffer_layers", "migration"])
+def test_features_naming_every_block_are_refused_with_a_sliding_window(option) -> None:
+    from vllm_aio.config import AioConfig, ConfigError
+    from vllm_aio.connector.deployment import build_deployment
+
+    value = 2 if option == "dynamic_buffer_layers" else True
+    with pytest.raises(ConfigError, match=f"{option} is not supported with sliding-window attention"):
+        build_deployment(_vllm_config(dcp=1, pcp=1), _groups_config(_attention(64)), AioConfig(**{option: value}))
 
 
 def test_groups_of_unequal_pages_are_refused() -> None:

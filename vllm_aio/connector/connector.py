@@ -166,12 +166,10 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
             return ()
         return to_vllm(self._events.take(self._scheduler.parts), self._medium)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, block_ids)
-
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM calls this, never request_finished, on a SupportsHMA connector (one group or several).
         return self._scheduler.request_finished(request, block_ids)
 
     @classmethod

@@ -104,8 +104,7 @@ def build_deployment(
         )
     groups = _cache_groups(kv_cache_config)
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    if len(groups) > 1:
-        _check_hybrid(kv_cache_config, cfg, vllm_config)
+    _check_features(groups, kv_cache_config, cfg, vllm_config)
     layers = groups[0].layer_names
     parallel = vllm_config.parallel_config
     block_size = _block_size(kv_cache_config, spec, parallel.decode_context_parallel_size)
@@ -184,28 +183,37 @@ def _cache_group(layer_names: tuple[str, ...], spec) -> CacheGroup:
     )
 
 
-def _check_hybrid(kv_cache_config: "KVCacheConfig", cfg: AioConfig, vllm_config: "VllmConfig") -> None:
-    """What the hybrid path supports: every group alike in block and layer count, and
-    none of the features whose bookkeeping names blocks of one group only."""
-    groups = kv_cache_config.kv_cache_groups
-    shapes = {(g.kv_cache_spec.block_size, g.kv_cache_spec.page_size_bytes, len(g.layer_names)) for g in groups}
-    if len(shapes) > 1:
-        raise ConfigError(
-            "AioConnector needs the KV cache groups of a hybrid model to share block size, page size and "
-            f"layer count (got {sorted(shapes)} as (block size, page bytes, layers))"
-        )
+def _check_features(
+    groups: tuple[CacheGroup, ...], kv_cache_config: "KVCacheConfig", cfg: AioConfig, vllm_config: "VllmConfig"
+) -> None:
+    """What several KV cache groups, or a sliding window, support: every group alike in
+    block and layer count, and none of the features whose bookkeeping names the blocks
+    of one group, or every block of a request."""
+    hybrid, sliding = len(groups) > 1, any(g.window is not None for g in groups)
+    if not (hybrid or sliding):
+        return
+    if hybrid:
+        shapes = {(g.kv_cache_spec.block_size, g.kv_cache_spec.page_size_bytes, len(g.layer_names))
+                  for g in kv_cache_config.kv_cache_groups}
+        if len(shapes) > 1:
+            raise ConfigError(
+                "AioConnector needs the KV cache groups of a hybrid model to share block size, page size and "
+                f"layer count (got {sorted(shapes)} as (block size, page bytes, layers))"
+            )
     events = vllm_config.kv_events_config
     refused = {
-        "use_layerwise": (cfg.use_layerwise, "its loads run inside the forward, where vLLM 0.32 cannot take "
-                          "a failed block of a model with several KV cache groups"),
-        "dynamic_buffer_layers": (cfg.dynamic_buffer_layers, "its KV cache plan has one group of one tensor"),
-        "migration": (cfg.migration, "a flush and a transfer name the blocks of one group"),
-        "kv_events_config": (bool(events and events.enable_kv_cache_events),
+        "use_layerwise": (hybrid and cfg.use_layerwise, "its loads run inside the forward, where vLLM 0.32 "
+                          "cannot take a failed block of a model with several KV cache groups"),
+        "dynamic_buffer_layers": (cfg.dynamic_buffer_layers, "its KV cache plan has one group of one tensor, and "
+                                  "it streams every block of a request"),
+        "migration": (cfg.migration, "a flush and a transfer name every block of one group"),
+        "kv_events_config": (hybrid and bool(events and events.enable_kv_cache_events),
                              "announced blocks are one group's (vLLM's block hashes)"),
     }
+    model = f"a hybrid model ({len(groups)} KV cache groups)" if hybrid else "sliding-window attention"
     for name, (enabled, why) in refused.items():
         if enabled:
-            raise ConfigError(f"{name} is not supported with a hybrid model ({len(groups)} KV cache groups): {why}")
+            raise ConfigError(f"{name} is not supported with {model}: {why}")
 
 
 def _describe_groups(groups: tuple[CacheGroup, ...]) -> tuple[str, ...]:
