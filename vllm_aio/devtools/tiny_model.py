@@ -70,7 +70,7 @@ class HybridModelSpec(ModelSpec):
     vLLM's hybrid KV cache manager makes them two KV cache groups. Architectures
     vLLM 0.32's CPU build runs with prefix caching on: ``llama`` (vLLM's Llama
     honours per-layer ``layer_types``), ``cohere2`` and ``gpt_oss`` (mixture of
-    experts, attention sinks).
+    experts, attention sinks); ``mistral`` slides in every layer (one group).
     """
 
     architecture: str = "llama"
@@ -91,6 +91,7 @@ PRESETS: dict[str, ModelSpec] = {
     "tiny_swa": HybridModelSpec(),
     "tiny_cohere2": HybridModelSpec(architecture="cohere2"),
     "tiny_gpt_oss": HybridModelSpec(architecture="gpt_oss", num_layers=2),
+    "tiny_mistral_swa": HybridModelSpec(architecture="mistral"),
     # A few hundred million parameters: prefill costs real time on a CPU,
     # which is what a pool hit is supposed to save.
     "medium": ModelSpec(
@@ -210,6 +211,9 @@ def _hybrid(spec: HybridModelSpec) -> "PreTrainedModel":
         config = transformers.LlamaConfig(**common)
         config.sliding_window = spec.sliding_window
         return transformers.LlamaForCausalLM(config)
+    if spec.architecture == "mistral":
+        config = transformers.MistralConfig(**common, sliding_window=spec.sliding_window)
+        return transformers.MistralForCausalLM(config)
     if spec.architecture == "cohere2":
         config = transformers.Cohere2Config(**{**common, "tie_word_embeddings": True}, **layers)
         return transformers.Cohere2ForCausalLM(config)
