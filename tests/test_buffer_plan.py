@@ -50,6 +50,18 @@ def test_block_outermost_layout_is_refused(kv):
         alias_layers(config, 2)
 
 
+def test_a_hybrid_model_is_refused_with_the_reason(kv):
+    from vllm_aio.buffer_plan import alias_layers
+
+    config = _config(kv, layers=4)
+    full, sliding = config.kv_cache_groups[0].kv_cache_spec, kv.SlidingWindowSpec(
+        block_size=32, num_kv_heads=2, head_size=16, dtype=torch.bfloat16, sliding_window=64)
+    config.kv_cache_groups = [kv.KVCacheGroupSpec(["layer.0", "layer.2"], sliding),
+                              kv.KVCacheGroupSpec(["layer.1", "layer.3"], full)]
+    with pytest.raises(ConfigError, match="hybrid models are not supported .2 KV cache groups.: vLLM overlays"):
+        alias_layers(config, 2)
+
+
 @pytest.mark.parametrize(
     "change,message",
     [

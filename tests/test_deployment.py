@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import require
+from vllm_aio.pool.entry import HEADER_BYTES
 
 BLOCK = 16  # the attention backend's block size
 PROMPT_TOKENS = 200
@@ -36,6 +37,7 @@ def _vllm_config(dcp: int, pcp: int) -> SimpleNamespace:
         ),
         model_config=SimpleNamespace(model="m", dtype=torch.bfloat16, use_mla=False, get_total_num_kv_heads=lambda: 1),
         kv_transfer_config=SimpleNamespace(kv_role="kv_both", engine_id="e"),
+        kv_events_config=None,
     )
 
 
@@ -110,17 +112,104 @@ def test_hashes_coarser_or_finer_than_block_ids_are_refused() -> None:
         _deployment(vllm_config, kv_cache_config)
 
 
-def test_a_kv_cache_whose_blocks_are_freed_while_a_request_runs_is_refused() -> None:
-    # A sliding window frees the blocks that leave it and hands them to other
-    # requests: a preemption's rescue would store another request's KV.
+def _groups_config(*specs, layers_per_group: int = 2):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [
+        KVCacheGroupSpec([f"layers.{g + len(specs) * i}" for i in range(layers_per_group)], spec)
+        for g, spec in enumerate(specs)
+    ]
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    config.hash_block_size = BLOCK
+    return config
+
+
+def _attention(window: int | None = None):
     import torch
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    common = dict(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    return FullAttentionSpec(**common) if window is None else SlidingWindowSpec(**common, sliding_window=window)
+
+
+def _hybrid(**options):
+    from vllm_aio.config import AioConfig
+    from vllm_aio.connector.deployment import build_deployment
+
+    vllm_config = _vllm_config(dcp=1, pcp=1)
+    vllm_config.kv_events_config = options.pop("kv_events_config", None)  # vLLM's own config, not the connector's
+    return build_deployment(vllm_config, _groups_config(_attention(64), _attention()), AioConfig(**options))
+
+
+def test_a_sliding_window_group_is_kept_with_its_window() -> None:
+    vllm_config = _vllm_config(dcp=1, pcp=1)
+    (group,) = _deployment(vllm_config, _groups_config(_attention(64))).groups
+    assert group.window == 64
+    # vLLM frees a block once the next token's window has passed it.
+    assert [group.first_held_block(t, BLOCK) for t in (0, 63, 64, 79, 80, 300)] == [0, 0, 0, 1, 1, 14]
+
+
+def test_a_hybrid_model_keeps_its_groups_and_reads_blocks_through_group_0s_layers() -> None:
+    dep = _hybrid()
+    assert dep.hybrid and [g.window for g in dep.groups] == [64, None]
+    assert dep.layer_names == ("layers.0", "layers.2")
+    assert dep.value_bytes == HEADER_BYTES + 2 * _attention().page_size_bytes
+
+
+def test_a_hybrid_model_has_a_namespace_of_its_own() -> None:
+    # The same model with vLLM's hybrid manager off is one group of every layer:
+    # other bytes per block, so other keys.
+    one_group = _deployment(_vllm_config(dcp=1, pcp=1), _groups_config(_attention(), layers_per_group=4))
+    assert _hybrid().namespace.digest() != one_group.namespace.digest()
+
+
+def test_a_hybrid_model_loads_in_the_background() -> None:
+    # vLLM 0.32 takes a failed load of several groups per request, for background loads only.
+    assert _hybrid(load_async=False).load_async
+
+
+@pytest.mark.parametrize(
+    ("option", "reason"),
+    [
+        ({"use_layerwise": True}, "use_layerwise is not supported with a hybrid model"),
+        ({"dynamic_buffer_layers": 2}, "dynamic_buffer_layers is not supported with a hybrid model.*one group"),
+        ({"migration": True}, "migration is not supported with a hybrid model"),
+        ({"kv_events_config": SimpleNamespace(enable_kv_cache_events=True)}, "kv_events_config is not supported"),
+    ],
+)
+def test_features_naming_one_groups_blocks_are_refused_for_a_hybrid_model(option, reason) -> None:
+    from vllm_aio.config import ConfigError
+
+    with pytest.raises(ConfigError, match=reason):
+        _hybrid(**option)
+
+
+@pytest.mark.parametrize("option", ["dynamic_buffer_layers", "migration"])
+def test_features_naming_every_block_are_refused_with_a_sliding_window(option) -> None:
+    from vllm_aio.config import AioConfig, ConfigError
+    from vllm_aio.connector.deployment import build_deployment
+
+    value = 2 if option == "dynamic_buffer_layers" else True
+    with pytest.raises(ConfigError, match=f"{option} is not supported with sliding-window attention"):
+        build_deployment(_vllm_config(dcp=1, pcp=1), _groups_config(_attention(64)), AioConfig(**{option: value}))
+
+
+def test_groups_of_unequal_pages_are_refused() -> None:
+    from vllm_aio.config import AioConfig, ConfigError
+    from vllm_aio.connector.deployment import build_deployment
+
+    config = _groups_config(_attention(64), _attention())
+    config.kv_cache_groups[1].layer_names.append("layers.4")
+    with pytest.raises(ConfigError, match="share block size, page size and layer count"):
+        build_deployment(_vllm_config(dcp=1, pcp=1), config, AioConfig())
+
+
+def test_a_state_cache_group_is_refused_with_the_reason() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
 
     from vllm_aio.config import ConfigError
 
-    vllm_config = _vllm_config(dcp=1, pcp=1)
-    spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, sliding_window=64)
-    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    config.hash_block_size = BLOCK
-    with pytest.raises(ConfigError, match="supports full-attention and MLA KV caches; this model's is SlidingWindowSpec"):
-        _deployment(vllm_config, config)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((3, 512), (4, 64, 64)), dtypes=(torch.bfloat16, torch.float32))
+    with pytest.raises(ConfigError, match="MambaSpec: state caches .* one state per request"):
+        _deployment(_vllm_config(dcp=1, pcp=1), _groups_config(mamba, _attention()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import uuid
@@ -238,8 +239,8 @@ def test_async_load_is_reported_finished_once_its_blocks_are_in_place(make_worke
     loader, _ = make_worker(backend=backend, caches=dst, load_async=True)
     loader.start_load_kv(AioConnectorMetadata(loads=[transfer([9, 10])]))
     loader.drain()
-    assert loader.get_finished() == {"r"}
-    assert loader.get_finished() == set()
+    assert loader.get_finished() == ({"r"}, set())
+    assert loader.get_finished() == (set(), set())
     assert loader.get_block_ids_with_load_errors() == set()
     assert all(torch.equal(dst[n][9:11], src[n][3:5]) for n in LAYERS)
 
@@ -248,7 +249,7 @@ def test_async_load_with_missing_blocks_finishes_and_reports_them(make_worker):
     loader, _ = make_worker(load_async=True)
     loader.start_load_kv(AioConnectorMetadata(loads=[transfer([9, 10])]))
     loader.drain()
-    assert loader.get_finished() == {"r"}
+    assert loader.get_finished() == ({"r"}, set())
     assert loader.get_block_ids_with_load_errors() == {9, 10}
 
 
@@ -336,3 +337,53 @@ def test_layer_load_past_the_timeout_fails_the_step_without_waiting_per_layer(ma
     assert caplog.text.count("exceeded transfer_timeout") == 1
     assert "layer 0 load exceeded transfer_timeout=0.2s" in caplog.text
     assert "2 pool blocks could not be loaded (2 timeout)" in caplog.text
+
+
+def _hybrid_worker(caches: dict[str, torch.Tensor], backend=None) -> tuple[AioWorker, LocalBackend]:
+    """A worker of two KV cache groups whose layers ``l*`` and ``w*`` are laid over each other."""
+    from vllm_aio.connector.deployment import CacheGroup
+
+    cfg = AioConfig(staging_buffer_size=1 << 20, load_async=True)
+    groups = (CacheGroup(LAYERS, 16), CacheGroup(("w0", "w1")))
+    dep = dataclasses.replace(deployment(cfg), groups=groups)
+    backend = backend or LocalBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, dep.value_bytes, seal=True)
+    worker = AioWorker(dep, backend, Ownership(dep.topology()), cfg)
+    worker.register_kv_caches(caches, NUM_BLOCKS)
+    return worker, backend
+
+
+def _overlaid(seed: int) -> dict[str, torch.Tensor]:
+    caches = kv_caches(seed)
+    return {**caches, "w0": caches["l0"], "w1": caches["l1"]}
+
+
+def test_groups_not_laid_over_each_other_are_refused():
+    from vllm_aio.connector.block_layout import check_groups_alias
+
+    check_groups_alias(_overlaid(0), [LAYERS, ("w0", "w1")])
+    caches = {**kv_caches(0), "w0": kv_caches(1)["l0"], "w1": kv_caches(1)["l1"]}
+    with pytest.raises(ValueError, match="group 1's layer 0 .w0. is not the memory of group 0's layer 0"):
+        check_groups_alias(caches, [LAYERS, ("w0", "w1")])
+
+
+def test_a_hybrid_request_loads_every_group_in_one_background_load():
+    src, dst = _overlaid(1), _overlaid(2)
+    saver, backend = _hybrid_worker(src)
+    saved(saver, AioConnectorMetadata(saves=[transfer([3], "s"), transfer([4, 5], "f")]))
+    loader, _ = _hybrid_worker(dst, backend)
+    loader.start_load_kv(AioConnectorMetadata(loads=[transfer([9], "s"), transfer([10, 11], "f")]))
+    loader.drain()
+    assert loader.get_finished() == ({"r"}, set())
+    assert all(torch.equal(dst[n][9:12], src[n][3:6]) for n in LAYERS)
+    for worker in (saver, loader):
+        worker.close()
+
+
+def test_a_hybrid_requests_failed_load_is_reported_per_request_not_per_block():
+    # vLLM 0.32 refuses failed block ids of a model with several KV cache groups.
+    loader, _ = _hybrid_worker(_overlaid(0))
+    loader.start_load_kv(AioConnectorMetadata(loads=[transfer([9], "s"), transfer([10], "f")]))
+    loader.drain()
+    assert loader.get_finished() == ({"r"}, {"r"})
+    assert loader.get_block_ids_with_load_errors() == set()
+    loader.close()

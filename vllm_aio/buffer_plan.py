@@ -95,10 +95,16 @@ def alias_layers(config: Any, buffers: int) -> Any:
     """Put layer ``l`` of the single layer-outermost tensor on buffer ``l % buffers``."""
     from vllm.v1.kv_cache_interface import KVCacheTensor
 
-    if len(config.kv_cache_groups) != 1 or len(config.kv_cache_tensors) != 1:
+    if len(config.kv_cache_groups) != 1:
+        raise ConfigError(
+            f"dynamic_buffer_layers: hybrid models are not supported ({len(config.kv_cache_groups)} KV cache "
+            "groups): vLLM overlays the groups' layers in shared tensors, and the buffer's layer ring would have "
+            "to stream the layers of every group that owns a block of the step; run it without the buffer"
+        )
+    if len(config.kv_cache_tensors) != 1:
         raise ConfigError(
             "dynamic_buffer_layers: needs a model with one KV cache group of one layer shape "
-            f"(got {len(config.kv_cache_groups)} groups, {len(config.kv_cache_tensors)} tensors)"
+            f"(got {len(config.kv_cache_tensors)} tensors)"
         )
     (tensor,) = config.kv_cache_tensors
     region = tensor.layer_stride

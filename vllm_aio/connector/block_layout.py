@@ -130,6 +130,25 @@ class BlockLayout:
         return block_ids.numpy()
 
 
+def check_groups_alias(kv_caches: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str]]) -> None:
+    """Check that every KV cache group's i-th layer is the same memory as group 0's.
+
+    vLLM's hybrid allocator gives all groups one block pool and lays them over
+    each other: a block id belongs to one group at a time, and its bytes sit
+    at the same place in the i-th layer of every group. Values are read and
+    written through group 0's layers alone, which is right only then.
+    """
+    for g, layers in enumerate(groups[1:], start=1):
+        for i, (name, first) in enumerate(zip(layers, groups[0])):
+            a, b = kv_caches[name], kv_caches[first]
+            if (a.data_ptr(), a.shape, a.stride(), a.dtype) != (b.data_ptr(), b.shape, b.stride(), b.dtype):
+                raise ValueError(
+                    f"KV cache group {g}'s layer {i} ({name}) is not the memory of group 0's layer {i} "
+                    f"({first}): AioConnector stores a hybrid model's blocks through group 0's layers, "
+                    "which needs vLLM's overlaid group layout"
+                )
+
+
 def _planes(name: str, t: torch.Tensor, num_blocks: int) -> list[_Plane]:
     elem = t.element_size()
     if t.shape[0] == num_blocks and t[0].is_contiguous():

@@ -14,6 +14,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -47,7 +49,11 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-class AioConnector(KVConnectorBase_V1):
+class AioConnector(KVConnectorBase_V1, SupportsHMA):
+    """Declares ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, and a
+    hybrid model's groups (sliding window and full attention) reach this
+    connector as they are (``Deployment.groups``) instead of all as full attention."""
+
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
@@ -111,8 +117,9 @@ class AioConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._meta())
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker.get_finished() or None
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self._worker.get_finished()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
@@ -147,7 +154,9 @@ class AioConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        self._scheduler.update_connector_output(connector_output.invalid_block_ids)
+        self._scheduler.update_connector_output(
+            connector_output.invalid_block_ids, connector_output.failed_recving or set()
+        )
         saved = connector_output.kv_cache_events
         if self._events is not None and isinstance(saved, SavedPartsEvents):
             self._events.saved(saved.reports, self._scheduler.parts)
@@ -157,7 +166,10 @@ class AioConnector(KVConnectorBase_V1):
             return ()
         return to_vllm(self._events.take(self._scheduler.parts), self._medium)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM calls this, never request_finished, on a SupportsHMA connector (one group or several).
         return self._scheduler.request_finished(request, block_ids)
 
     @classmethod
@@ -180,25 +192,34 @@ def _topology(dep) -> "Topology":
     )
 
 
-def _transfer_mode(cfg) -> str:
+def _describe_groups(dep) -> str:
+    kinds = ["full" if g.window is None else f"window {g.window}" for g in dep.groups]
+    return f"{len(kinds)} ({', '.join(kinds)})" + (
+        "; loads run in the background: vLLM takes a failed load of a hybrid model per request only then"
+        if dep.hybrid else ""
+    )
+
+
+def _transfer_mode(cfg, dep) -> str:
     if cfg.use_layerwise:
         return f"layerwise(prefetch={cfg.layerwise_prefetch_layers})"
-    return "async" if cfg.load_async else "per-block"
+    return "async" if dep.load_async else "per-block"
 
 
 def _log_start(cfg, dep, transfer, backend) -> None:
     logger.info(
         "vllm_aio: AioConnector role=%s backend=%s %s load=%s save=%s transfer=%s "
-        "save_decode_cache=%s block_size=%d value_bytes=%d namespace=%s (%s)",
+        "save_decode_cache=%s block_size=%d value_bytes=%d kv_cache_groups=%s namespace=%s (%s)",
         transfer.kv_role,
         cfg.backend,
         backend.describe(),
         dep.load_enabled,
         dep.save_enabled,
-        _transfer_mode(cfg),
+        _transfer_mode(cfg, dep),
         dep.save_decode_cache,
         dep.block_size,
         dep.value_bytes,
+        _describe_groups(dep),
         dep.namespace.digest(),
         dep.namespace,
     )

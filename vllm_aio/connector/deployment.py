@@ -25,6 +25,30 @@ _PORTABLE_HASHES = ("sha256", "sha256_cbor")
 
 
 @dataclass(frozen=True)
+class CacheGroup:
+    """One KV cache group of vLLM's hybrid memory allocator, as both halves see it.
+
+    vLLM gives every group its own block table per request; a block id belongs
+    to one group at a time. A sliding-window group frees (and nulls, id 0) the
+    blocks that leave its window while the request runs.
+    """
+
+    layer_names: tuple[str, ...] = ()
+    window: int | None = None  # sliding window in tokens; None: every block is kept (full attention, MLA)
+    retained: int = 0  # tokens kept below the window (vLLM's ``extra_retained_tokens``)
+
+    def first_held_block(self, computed_tokens: int, block_size: int) -> int:
+        """The first block of a request with ``computed_tokens`` computed that vLLM still holds.
+
+        vLLM's ``SlidingWindowManager.get_num_skipped_tokens``: blocks wholly
+        before the window of the next token are freed and nulled.
+        """
+        if self.window is None:
+            return 0
+        return max(0, computed_tokens - self.window + 1 - self.retained) // block_size
+
+
+@dataclass(frozen=True)
 class Deployment:
     namespace: Namespace
     block_size: int  # tokens per block, as hashed by vLLM
@@ -40,6 +64,14 @@ class Deployment:
     num_kv_heads: int  # in the whole model (MLA: see use_mla)
     use_mla: bool
     priority_cutoffs: tuple[int, ...] = ()  # AioConfig.priority_cutoffs
+    # vLLM's KV cache groups. With more than one (hybrid attention), ``layer_names``
+    # are group 0's: every group's i-th layer aliases the same cache memory
+    # (``AioWorker`` checks), so a block's bytes are read the same through any group.
+    groups: tuple[CacheGroup, ...] = (CacheGroup(),)
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.groups) > 1
 
     def retention_of(self, priority: int) -> int:
         """The retention class of a request's saves: how many cutoffs its vLLM priority is at or below."""
@@ -70,15 +102,10 @@ def build_deployment(
             f"(got {cache.prefix_caching_hash_algo!r}); xxhash seeds differ per process, so "
             "no stored block could ever be found again"
         )
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(
-            f"AioConnector supports models with one KV cache group; this model has {len(groups)} "
-            "(hybrid attention)"
-        )
-    spec = groups[0].kv_cache_spec
-    _check_keeps_every_block(spec)
-    layers = tuple(groups[0].layer_names)
+    groups = _cache_groups(kv_cache_config)
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    _check_features(groups, kv_cache_config, cfg, vllm_config)
+    layers = groups[0].layer_names
     parallel = vllm_config.parallel_config
     block_size = _block_size(kv_cache_config, spec, parallel.decode_context_parallel_size)
     namespace = Namespace(
@@ -95,6 +122,7 @@ def build_deployment(
         group=0,
         salt=cfg.salt,
         weight_version=cfg.weight_version,
+        kv_groups=_describe_groups(groups) if len(groups) > 1 else (),
     )
     role = vllm_config.kv_transfer_config.kv_role
     return Deployment(
@@ -102,7 +130,9 @@ def build_deployment(
         block_size=block_size,
         layer_names=layers,
         layerwise=cfg.use_layerwise,
-        load_async=cfg.load_async,
+        # vLLM 0.32 takes a failed load of a model with several KV cache groups
+        # only per request, for loads finished before the request is scheduled.
+        load_async=cfg.load_async or len(groups) > 1,
         buffer_layers=cfg.dynamic_buffer_layers,
         value_bytes=HEADER_BYTES + spec.page_size_bytes * (1 if cfg.use_layerwise else len(layers)),
         load_enabled=role == "kv_both" or (role == "kv_consumer" and cfg.consumer_is_to_load),
@@ -113,28 +143,86 @@ def build_deployment(
         num_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
         use_mla=bool(vllm_config.model_config.use_mla),
         priority_cutoffs=cfg.priority_cutoffs,
+        groups=groups,
     )
 
 
-def _check_keeps_every_block(spec) -> None:
-    """Refuse KV caches whose manager frees a running request's blocks early.
+def _cache_groups(kv_cache_config: "KVCacheConfig") -> tuple[CacheGroup, ...]:
+    """vLLM's KV cache groups; refuses the kinds this connector cannot store by block hash."""
+    return tuple(
+        _cache_group(tuple(g.layer_names), g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups
+    )
 
-    A sliding window (or local, or R-SWA) attention manager frees the blocks
-    that leave the window while the request runs and hands them to other
-    requests; this connector's block lists would then name blocks holding
-    another request's KV (a preemption's rescue, a migration's flush would
-    store it under this request's hashes). Exact types: ``RSWASpec`` is a
-    ``FullAttentionSpec`` that frees blocks too.
+
+def _cache_group(layer_names: tuple[str, ...], spec) -> CacheGroup:
+    """Full attention and MLA keep every block of a request; a sliding window
+    frees those before it, which the scheduler half never names (``CacheGroup``).
+
+    Refused: state caches (Mamba, linear attention: one state per request, not
+    a block per token prefix), chunked local attention and R-SWA (``RSWASpec`` is a
+    ``FullAttentionSpec`` that frees blocks mid-sequence, hence exact types).
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
 
     specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-    refused = sorted({type(s).__name__ for s in specs if type(s) not in (FullAttentionSpec, MLAAttentionSpec)})
-    if refused:
-        raise ConfigError(
-            f"AioConnector supports full-attention and MLA KV caches; this model's is {', '.join(refused)}, "
-            "whose blocks are freed while a request runs (sliding window, local attention, state caches)"
-        )
+    kinds = {type(s) for s in specs}
+    if kinds <= {FullAttentionSpec, MLAAttentionSpec}:
+        return CacheGroup(layer_names)
+    if kinds == {SlidingWindowSpec} and len({(s.sliding_window, s.extra_retained_tokens) for s in specs}) == 1:
+        return CacheGroup(layer_names, specs[0].sliding_window, specs[0].extra_retained_tokens)
+    refused = ", ".join(sorted(k.__name__ for k in kinds))
+    raise ConfigError(
+        f"AioConnector stores full-attention, MLA and sliding-window KV caches; this model has a group of "
+        f"{refused}: state caches (Mamba, linear attention) hold one state per request rather than a block "
+        "per token prefix, and local or R-SWA attention frees blocks in the middle of a request"
+    )
+
+
+def _check_features(
+    groups: tuple[CacheGroup, ...], kv_cache_config: "KVCacheConfig", cfg: AioConfig, vllm_config: "VllmConfig"
+) -> None:
+    """What several KV cache groups, or a sliding window, support: every group alike in
+    block and layer count, and none of the features whose bookkeeping names the blocks
+    of one group, or every block of a request."""
+    hybrid, sliding = len(groups) > 1, any(g.window is not None for g in groups)
+    if not (hybrid or sliding):
+        return
+    if hybrid:
+        shapes = {(g.kv_cache_spec.block_size, g.kv_cache_spec.page_size_bytes, len(g.layer_names))
+                  for g in kv_cache_config.kv_cache_groups}
+        if len(shapes) > 1:
+            raise ConfigError(
+                "AioConnector needs the KV cache groups of a hybrid model to share block size, page size and "
+                f"layer count (got {sorted(shapes)} as (block size, page bytes, layers))"
+            )
+    events = vllm_config.kv_events_config
+    refused = {
+        "use_layerwise": (hybrid and cfg.use_layerwise, "its loads run inside the forward, where vLLM 0.32 "
+                          "cannot take a failed block of a model with several KV cache groups"),
+        "dynamic_buffer_layers": (cfg.dynamic_buffer_layers, "its KV cache plan has one group of one tensor, and "
+                                  "it streams every block of a request"),
+        "migration": (cfg.migration, "a flush and a transfer name every block of one group"),
+        "kv_events_config": (hybrid and bool(events and events.enable_kv_cache_events),
+                             "announced blocks are one group's (vLLM's block hashes)"),
+    }
+    model = f"a hybrid model ({len(groups)} KV cache groups)" if hybrid else "sliding-window attention"
+    for name, (enabled, why) in refused.items():
+        if enabled:
+            raise ConfigError(f"{name} is not supported with {model}: {why}")
+
+
+def _describe_groups(groups: tuple[CacheGroup, ...]) -> tuple[str, ...]:
+    """Each group's kind and layers, for the key namespace: a block of one group layout
+    must never load into another (which layers slide, and how far, changes the bytes)."""
+    return tuple(
+        f"{'full' if g.window is None else f'window{g.window}+{g.retained}'}:{','.join(g.layer_names)}"
+        for g in groups
+    )
 
 
 def _block_size(kv_cache_config: "KVCacheConfig", spec, dcp_size: int) -> int:

@@ -78,17 +78,30 @@ class LoadReport:
 
     def take_errors(self) -> set[int]:
         """The step's failed block ids (after every load of the step has settled); logs them."""
+        return self._take("them")[0]
+
+    def take_failed_requests(self) -> set[str]:
+        """The requests with a failed block (after every load so far has settled); logs them.
+
+        For hybrid models: vLLM 0.32 cannot map block ids of several KV cache
+        groups back to requests, and recomputes a request reported failed whole.
+        """
+        return set(self._take("the whole request")[1])
+
+    def _take(self, recomputed: str) -> tuple[set[int], dict[str, Counter[str]]]:
         self._settle()
         for req_id, reasons in self._failed.items():
             logger.warning(
-                "vllm_aio: request %s: %d pool blocks could not be loaded (%s); vLLM recomputes them",
+                "vllm_aio: request %s: %d pool blocks could not be loaded (%s); vLLM recomputes %s",
                 req_id,
                 sum(reasons.values()),
                 ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())),
+                recomputed,
             )
         self._add_stats(load_failures=len(self._errors))
-        errors, self._errors, self._failed = self._errors, set(), {}
-        return errors
+        taken = self._errors, self._failed
+        self._errors, self._failed = set(), {}
+        return taken
 
     def _settle(self) -> None:
         unsettled, self._unsettled = self._unsettled, []
@@ -177,8 +190,11 @@ class InBackground(Loads):
         self._loads: dict[str, _Load] = {}
 
     def start(self, meta: AioConnectorMetadata) -> None:
+        per_request: dict[str, list[BlockTransfer]] = {}  # a hybrid model's request loads one transfer per group
         for transfer in meta.loads:
-            self._loads[transfer.req_id] = self._submit(self._batch([transfer]), self._units[0])
+            per_request.setdefault(transfer.req_id, []).append(transfer)
+        for req_id, transfers in per_request.items():
+            self._loads[req_id] = self._submit(self._batch(transfers), self._units[0])
 
     def finished(self) -> set[str]:
         done = set()

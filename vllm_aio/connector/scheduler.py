@@ -18,6 +18,15 @@ epoch, and the next call resumes after them unless the epoch moved (a value
 may have gone). A store with no epoch is asked again from the first block each
 time: one bounded round trip, while a remembered answer could be seconds or
 minutes old and turn into a burst of failed loads.
+
+Hybrid models (several KV cache groups, ``Deployment.groups``): every group's
+blocks are stored under its own keys (``group_block_hashes``), loaded and saved
+per group. A prefix hits when every full-attention group holds all its blocks
+and every sliding-window group the blocks vLLM keeps for the hit (those in the
+window of the next token), as vLLM's own prefix cache decides. A sliding-window
+group frees the blocks that leave its window while the request runs and hands
+them to other requests, so its saves and rescues name only the blocks vLLM
+still held at the step's start, and never its null block (id 0).
 """
 
 from __future__ import annotations
@@ -28,11 +37,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm_aio.backends import Backend
-from vllm_aio.connector.deployment import Deployment
+from vllm_aio.connector.deployment import CacheGroup, Deployment
 from vllm_aio.connector.events import KVEvents
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, BufferStep, LookupCounts
 from vllm_aio.log import get_logger
-from vllm_aio.pool.keys import BlockParts
+from vllm_aio.pool.keys import BlockParts, group_block_hashes
 from vllm_aio.pool.ownership import Ownership
 
 if TYPE_CHECKING:
@@ -61,7 +70,7 @@ class _Found:
 
 @dataclass
 class _Claim:
-    """Pool blocks a request was promised: loaded into ``block_ids`` for tokens [start, end)."""
+    """Pool blocks a request was promised: loaded into ``block_ids`` (of every group) for tokens [start, end)."""
 
     block_ids: list[int]
     start_tokens: int  # block aligned: the first loaded block's first token
@@ -70,17 +79,29 @@ class _Claim:
 
 @dataclass
 class _Tracker:
-    """A running request: its block ids and how many of its blocks were handed to saves."""
+    """A running request: per KV cache group, its block ids and how many of its blocks were handed to saves."""
 
     request: "Request"
-    block_ids: list[int] = field(default_factory=list)
-    num_saved_blocks: int = 0
-    # Block indices [start, end) loaded from the pool: already stored there.
-    loaded: tuple[int, int] = (0, 0)
+    num_groups: int = 1
+    block_ids: list[list[int]] = field(default_factory=list)
+    num_saved_blocks: list[int] = field(default_factory=list)
+    # Per group, block indices [start, end) loaded from the pool: already stored there.
+    loaded: list[tuple[int, int]] = field(default_factory=list)
     # Blocks a migration asked to have stored, generated ones included (``flush``).
     flush_blocks: int = 0
     # Tokens whose KV the steps scheduled so far computed: what a preemption can save.
     computed_tokens: int = 0
+    # Tokens computed when its latest step started: a sliding window held its blocks from there on.
+    step_start_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.restart()
+        self.loaded = [(0, 0)] * self.num_groups
+
+    def restart(self, block_ids: "tuple[list[int], ...] | None" = None) -> None:
+        """A fresh block list (admitted, or resumed after a preemption): nothing of it saved yet."""
+        self.block_ids = [list(ids) for ids in block_ids] if block_ids else [[] for _ in range(self.num_groups)]
+        self.num_saved_blocks = [0] * self.num_groups
 
 
 class AioScheduler:
@@ -106,9 +127,11 @@ class AioScheduler:
         self._steps = 0  # build_connector_meta calls so far
         # req_id -> latest lookup answer; replaced on every call (idempotent).
         self._plans: dict[str, _LoadPlan] = {}
-        # req_id -> what lookups found for it, while it waits; dropped when it
-        # is admitted or finishes (update_state_after_alloc, request_finished).
-        self._found: dict[str, _Found] = {}
+        # req_id -> what lookups found for it per group, while it waits; dropped
+        # when it is admitted or finishes (update_state_after_alloc, request_finished).
+        self._found: dict[str, dict[int, _Found]] = {}
+        # Key hashes per group: a model of one group keys blocks by vLLM's hash alone.
+        self._key_groups: list[int | None] = list(range(len(deployment.groups))) if deployment.hybrid else [None]
         # Loads decided by update_state_after_alloc, sent with the next metadata.
         self._pending_loads: list[BlockTransfer] = []
         self._trackers: dict[str, _Tracker] = {}
@@ -116,6 +139,9 @@ class AioScheduler:
         # preempted, or its load is reported failed (update_connector_output).
         self._claims: dict[str, _Claim] = {}
         self._lookups = LookupCounts()
+        # Requests whose pool load failed whole (hybrid models): vLLM recomputes
+        # them from the start and asks again, and the pool must not be offered twice.
+        self._recompute: set[str] = set()
 
     def _parts_of(self, namespace) -> BlockParts:
         return BlockParts(
@@ -180,10 +206,10 @@ class AioScheduler:
 
     # ---- lookup ----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        if not self._dep.load_enabled:
+        if not self._dep.load_enabled or request.request_id in self._recompute:
             return 0, False
         bs = self._dep.block_size
-        hit_blocks = self._complete_blocks(request, num_computed_tokens // bs)
+        hit_blocks = self._hit_blocks(request, num_computed_tokens // bs)
         hit_tokens = min(hit_blocks * bs, request.num_tokens - 1)  # the last token is always computed
         new_tokens = max(0, hit_tokens - num_computed_tokens)
         if new_tokens == 0:
@@ -192,26 +218,65 @@ class AioScheduler:
         self._plans[request.request_id] = _LoadPlan(num_computed_tokens, hit_tokens)
         return new_tokens, self._dep.load_async
 
-    def _complete_blocks(self, request: "Request", first: int) -> int:
-        """The end of the leading blocks from ``first`` on that the pool holds completely."""
-        req_id, hashes, parts = request.request_id, request.block_hashes, self.parts
+    def _hit_blocks(self, request: "Request", first: int) -> int:
+        """The end of the leading blocks from ``first`` on that every group can load.
+
+        Full-attention groups need every block; a sliding-window group only the
+        blocks in the window of the hit's next token (vLLM nulls the others),
+        so its hit may end before its first missing block. Repeated until no
+        group shortens the hit, since a shorter hit moves each window back.
+        """
+        groups = list(enumerate(self._dep.groups))
         try:
-            epoch = self._backend.presence_epoch()  # before the lookup: an eviction during it moves it
-            found = self._found.get(req_id)
-            resume = first
-            if (found is not None and epoch is not None and found.epoch == epoch and found.start <= first
-                    and found.digest == parts.namespace_digest):
-                resume = max(first, found.end)  # blocks [first, found.end) are still complete
-            end = resume + self._backend.count_complete_blocks(parts, hashes[resume:])
-            if self._events is not None and end < len(hashes):
-                self._events.missing(hashes[end])
+            end = len(request.block_hashes)
+            for g, group in groups:
+                if group.window is None:
+                    end = self._complete_blocks(request, g, first, end)
+            sliding = [(g, group) for g, group in groups if group.window is not None]
+            while sliding:
+                shortened = end
+                for g, group in sliding:
+                    shortened = self._window_hit(request, g, group, first, shortened)
+                if shortened == end:
+                    break
+                end = shortened
         except Exception as exc:  # the pool is down: serve everything by recompute
             logger.warning("vllm_aio: pool lookup failed, treating as a miss: %s", exc)
-            self._found.pop(req_id, None)
+            self._found.pop(request.request_id, None)
             return first
-        if epoch is not None:
-            self._found[req_id] = _Found(first, end, epoch, parts.namespace_digest)
         return end
+
+    def _complete_blocks(self, request: "Request", g: int, first: int, end: int) -> int:
+        """The end of the leading blocks of group ``g`` in [first, end) that the pool holds completely."""
+        req_id, hashes, parts = request.request_id, request.block_hashes[:end], self.parts
+        epoch = self._backend.presence_epoch()  # before the lookup: an eviction during it moves it
+        found = self._found.get(req_id, {}).get(g)
+        resume = first
+        if (found is not None and epoch is not None and found.epoch == epoch and found.start <= first
+                and found.digest == parts.namespace_digest):
+            resume = min(max(first, found.end), end)  # blocks [first, found.end) are still complete
+        keys = group_block_hashes(hashes[resume:], self._key_groups[g])
+        complete = resume + self._backend.count_complete_blocks(parts, keys)
+        if self._events is not None and complete < len(hashes):
+            self._events.missing(hashes[complete])
+        if epoch is not None:
+            self._found.setdefault(req_id, {})[g] = _Found(first, complete, epoch, parts.namespace_digest)
+        return complete
+
+    def _window_hit(self, request: "Request", g: int, group: CacheGroup, first: int, end: int) -> int:
+        """The longest hit ending at or before block ``end`` for which the pool holds the
+        blocks of sliding-window group ``g`` that vLLM keeps (from ``first`` on: the
+        earlier ones are vLLM's own hit)."""
+        bs = self._dep.block_size
+        while end > first:
+            hit_tokens = min(end * bs, request.num_tokens - 1)
+            start = max(first, group.first_held_block(hit_tokens, bs))
+            keys = group_block_hashes(request.block_hashes[start:end], self._key_groups[g])
+            complete = start + self._backend.count_complete_blocks(self.parts, keys)
+            if complete == end:
+                return end
+            end = complete  # a hit past the missing block would need it
+        return first
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -219,7 +284,7 @@ class AioScheduler:
         req_id = request.request_id
         self._found.pop(req_id, None)  # admitted: no more lookups until it waits again
         known = req_id in self._trackers  # re-admitted: preempted, or its async load finished
-        tracker = self._trackers.setdefault(req_id, _Tracker(request))
+        tracker = self._trackers.setdefault(req_id, _Tracker(request, len(self._dep.groups)))
         plan = self._plans.pop(req_id, None)
         prompt_tokens = request.num_prompt_tokens
         if num_external_tokens == 0 or plan is None:
@@ -229,13 +294,15 @@ class AioScheduler:
         bs = self._dep.block_size
         first = plan.local_tokens // bs
         last = -(-(plan.local_tokens + num_external_tokens) // bs)
-        block_ids = blocks.get_block_ids()[0]
-        self._lease(request.block_hashes[first:last])
-        self._pending_loads.append(
-            BlockTransfer.of(req_id, block_ids[first:last], request.block_hashes[first:last], first)
-        )
-        tracker.loaded = (first, last)
-        self._claims[req_id] = _Claim(list(block_ids[first:last]), first * bs, plan.local_tokens + num_external_tokens)
+        claimed: list[int] = []
+        for g, block_ids in enumerate(blocks.get_block_ids()):
+            start = _first_held(block_ids, first, last)  # a sliding window's leading blocks are null
+            keys = group_block_hashes(request.block_hashes[start:last], self._key_groups[g])
+            self._lease(keys)
+            self._pending_loads.append(BlockTransfer.of(req_id, block_ids[start:last], keys, start))
+            tracker.loaded[g] = (start, last)
+            claimed.extend(block_ids[start:last])
+        self._claims[req_id] = _Claim(claimed, first * bs, plan.local_tokens + num_external_tokens)
         if not known:  # the prompt's lookup; a resumed request's (generated tokens too) is not one
             self._lookups.hit_tokens += num_external_tokens
             self._lookups.miss_tokens += prompt_tokens - plan.local_tokens - num_external_tokens
@@ -254,6 +321,7 @@ class AioScheduler:
         for req_id in scheduler_output.finished_req_ids:
             self._trackers.pop(req_id, None)
             self._claims.pop(req_id, None)
+            self._recompute.discard(req_id)
         meta = AioConnectorMetadata(
             loads=self._pending_loads, lookups=self._lookups, namespace_digest=self.parts.namespace_digest
         )
@@ -266,21 +334,21 @@ class AioScheduler:
         scheduled: list[tuple[_Tracker, int]] = []  # with their computed tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracker = self._trackers[new.req_id]
-            tracker.block_ids = list(new.block_ids[0])
-            tracker.num_saved_blocks = 0
+            tracker.restart(new.block_ids)
             scheduled.append((tracker, new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracker = self._trackers[req_id]
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:  # preempted: a fresh block list
-                tracker.block_ids = list(new_ids[0]) if new_ids else []
-                tracker.num_saved_blocks = 0
+                tracker.restart(new_ids)
             elif new_ids:
-                tracker.block_ids.extend(new_ids[0])
+                for ids, added in zip(tracker.block_ids, new_ids):
+                    ids.extend(added)
             scheduled.append((tracker, cached.num_computed_tokens[i]))
         self._take_flushes()
         for tracker, computed in scheduled:
+            tracker.step_start_tokens = computed
             self._plan_save(meta, tracker, computed, scheduler_output)
             tracker.computed_tokens = computed + scheduler_output.num_scheduled_tokens[tracker.request.request_id]
         if self._dep.buffer_layers:
@@ -314,8 +382,9 @@ class AioScheduler:
         bs = self._dep.block_size
         for tracker, computed in scheduled:
             end = -(-(computed + scheduler_output.num_scheduled_tokens[tracker.request.request_id]) // bs)
-            step.resident.extend(tracker.block_ids[: -(-computed // bs)])
-            step.written.extend(tracker.block_ids[computed // bs : end])
+            block_ids = tracker.block_ids[0]  # the buffer refuses hybrid models (one group)
+            step.resident.extend(block_ids[: -(-computed // bs)])
+            step.written.extend(block_ids[computed // bs : end])
         return step
 
     def _plan_save(
@@ -351,47 +420,82 @@ class AioScheduler:
 
     def _unsaved(self, tracker: _Tracker, full: int) -> list[BlockTransfer]:
         """Transfers of the request's blocks up to ``full`` not handed to a save
-        yet, less those loaded from the pool (stored there already)."""
+        yet, per group, less those loaded from the pool (stored there already)
+        and those a sliding window no longer held when the latest step started."""
         request = tracker.request
-        full = min(full, len(request.block_hashes), len(tracker.block_ids))
-        start = tracker.num_saved_blocks
-        if full <= start:
-            return []
-        tracker.num_saved_blocks = full
-        skip_start, skip_end = tracker.loaded
-        retention = self._dep.retention_of(request.priority)
-        transfers = [
-            BlockTransfer.of(request.request_id, tracker.block_ids[lo:hi], request.block_hashes[lo:hi], lo, retention)
-            for lo, hi in ((start, min(full, skip_start)), (max(start, skip_end), full))
-            if lo < hi
-        ]
+        transfers: list[BlockTransfer] = []
+        for g, group in enumerate(self._dep.groups):
+            block_ids = tracker.block_ids[g]
+            end = min(full, len(request.block_hashes), len(block_ids))
+            start = tracker.num_saved_blocks[g]
+            if end <= start:
+                continue
+            tracker.num_saved_blocks[g] = end
+            held = group.first_held_block(tracker.step_start_tokens, self._dep.block_size)
+            start = _first_held(block_ids, max(start, held), end)
+            transfers.extend(self._transfers(request, g, block_ids, start, end, tracker.loaded[g]))
         if self._events is not None:
             for t in transfers:
                 self._events.expect(request, t.first_index, t.first_index + len(t))
         return transfers
 
-    def update_connector_output(self, invalid_block_ids: set[int]) -> None:
+    def _transfers(
+        self, request: "Request", g: int, block_ids: list[int], start: int, end: int, loaded: tuple[int, int]
+    ) -> list[BlockTransfer]:
+        """Saves of group ``g``'s blocks [start, end), around the range ``loaded`` from the pool."""
+        retention = self._dep.retention_of(request.priority)
+        skip_start, skip_end = loaded
+        return [
+            BlockTransfer.of(
+                request.request_id, block_ids[lo:hi],
+                group_block_hashes(request.block_hashes[lo:hi], self._key_groups[g]), lo, retention,
+            )
+            for lo, hi in ((start, min(end, skip_start)), (max(start, skip_end), end))
+            if lo < hi
+        ]
+
+    def update_connector_output(self, invalid_block_ids: set[int], failed_req_ids: set[str] = frozenset()) -> None:
         """Count the hit tokens that the pool promised and the workers could not load.
 
         ``invalid_block_ids`` is the union over every worker: each failed
         request is counted once, from its first failed block on, which is
-        what vLLM recomputes.
+        what vLLM recomputes. ``failed_req_ids`` (hybrid models, whose loads
+        fail per request): vLLM recomputes the whole request, and asks for it
+        again as for a new one; it gets no pool hit then (``_recompute``).
         """
-        if not invalid_block_ids:
+        if not invalid_block_ids and not failed_req_ids:
             return
+        self._recompute |= failed_req_ids
         bs = self._dep.block_size
         for req_id, claim in list(self._claims.items()):
+            if req_id in failed_req_ids:
+                self._lookups.failed_hit_tokens += claim.end_tokens - claim.start_tokens
+                del self._claims[req_id]
+                continue
             bad = [i for i, b in enumerate(claim.block_ids) if b in invalid_block_ids]
             if bad:
                 self._lookups.failed_hit_tokens += claim.end_tokens - claim.start_tokens - bad[0] * bs
                 del self._claims[req_id]
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(self, request: "Request", block_ids: "list[int] | tuple[list[int], ...]") -> tuple[bool, None]:
         # Saves finished within the step that computed the blocks.
         self._trackers.pop(request.request_id, None)
         self._claims.pop(request.request_id, None)
         self._found.pop(request.request_id, None)
+        self._recompute.discard(request.request_id)
         return False, None
 
     def close(self) -> None:
         self._backend.close()
+
+
+def _first_held(block_ids: list[int], start: int, end: int) -> int:
+    """The first block from ``start`` on that is not vLLM's null block (id 0).
+
+    A sliding-window group's table starts with null blocks where its window
+    has passed; they hold nothing of the request and must be neither loaded
+    into nor saved from.
+    """
+    while start < end and block_ids[start] == 0:
+        start += 1
+    return start

@@ -3,7 +3,8 @@
 Tests, the demo and the benchmarks need a real Hugging Face checkpoint that
 vLLM can serve, but no model hub is reachable at run time. We train a byte-level
 BPE tokenizer on synthetic text in-process and save a Llama (or, for
-multi-head latent attention, a DeepSeek-V2) with random weights.
+multi-head latent attention, a DeepSeek-V2; for hybrid attention, sliding-window
+and full-attention layers of Llama, Cohere2 or GPT-OSS) with random weights.
 
 Random weights at the default init give degenerate greedy output (one token
 repeated), which would make "cached == uncached" checks meaningless, so the
@@ -62,6 +63,20 @@ class MlaModelSpec(ModelSpec):
     v_head_dim: int = 32
 
 
+@dataclass(frozen=True)
+class HybridModelSpec(ModelSpec):
+    """Sliding-window layers alternating with full-attention ones, starting with a sliding one.
+
+    vLLM's hybrid KV cache manager makes them two KV cache groups. Architectures
+    vLLM 0.32's CPU build runs with prefix caching on: ``llama`` (vLLM's Llama
+    honours per-layer ``layer_types``), ``cohere2`` and ``gpt_oss`` (mixture of
+    experts, attention sinks); ``mistral`` slides in every layer (one group).
+    """
+
+    architecture: str = "llama"
+    sliding_window: int = 64
+
+
 PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(),
     # One KV head: under TP every rank holds the same KV (stored once).
@@ -72,6 +87,11 @@ PRESETS: dict[str, ModelSpec] = {
     # A larger init widens greedy margins: a warm request's last tokens take MLA's
     # context path, which rounds differently, and at 0.08 that flipped a near tie.
     "tiny_mla": MlaModelSpec(num_layers=2, num_kv_heads=1, init_std=0.2),
+    # Hybrid attention: 2 sliding-window (64 tokens) and 2 full-attention layers.
+    "tiny_swa": HybridModelSpec(),
+    "tiny_cohere2": HybridModelSpec(architecture="cohere2"),
+    "tiny_gpt_oss": HybridModelSpec(architecture="gpt_oss", num_layers=2),
+    "tiny_mistral_swa": HybridModelSpec(architecture="mistral"),
     # A few hundred million parameters: prefill costs real time on a CPU,
     # which is what a pool hit is supposed to save.
     "medium": ModelSpec(
@@ -125,8 +145,19 @@ def build_model(out: Path, spec: ModelSpec) -> None:
     import torch
 
     torch.manual_seed(spec.seed)
-    model = _deepseek_v2(spec) if isinstance(spec, MlaModelSpec) else _llama(spec)
+    if isinstance(spec, MlaModelSpec):
+        model = _deepseek_v2(spec)
+    elif isinstance(spec, HybridModelSpec):
+        model = _hybrid(spec)
+    else:
+        model = _llama(spec)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    if isinstance(spec, HybridModelSpec) and spec.architecture == "llama":
+        # LlamaConfig does not save layer_types; vLLM's Llama reads them from config.json.
+        path = out / "config.json"
+        config = json.loads(path.read_text())
+        config["layer_types"] = _layer_types(spec)
+        path.write_text(json.dumps(config, indent=2))
 
 
 def _common_config(spec: ModelSpec) -> dict[str, Any]:
@@ -165,6 +196,34 @@ def _deepseek_v2(spec: MlaModelSpec) -> "PreTrainedModel":
         first_k_dense_replace=spec.num_layers,  # every layer a dense MLP
     )
     return DeepseekV2ForCausalLM(config)
+
+
+def _layer_types(spec: HybridModelSpec) -> list[str]:
+    return [("sliding_attention", "full_attention")[i % 2] for i in range(spec.num_layers)]
+
+
+def _hybrid(spec: HybridModelSpec) -> "PreTrainedModel":
+    import transformers
+
+    common = _common_config(spec)
+    layers = dict(sliding_window=spec.sliding_window, layer_types=_layer_types(spec))
+    if spec.architecture == "llama":
+        config = transformers.LlamaConfig(**common)
+        config.sliding_window = spec.sliding_window
+        return transformers.LlamaForCausalLM(config)
+    if spec.architecture == "mistral":
+        config = transformers.MistralConfig(**common, sliding_window=spec.sliding_window)
+        return transformers.MistralForCausalLM(config)
+    if spec.architecture == "cohere2":
+        config = transformers.Cohere2Config(**{**common, "tie_word_embeddings": True}, **layers)
+        return transformers.Cohere2ForCausalLM(config)
+    if spec.architecture == "gpt_oss":
+        config = transformers.GptOssConfig(
+            **common, head_dim=spec.hidden_size // spec.num_heads, num_local_experts=4, num_experts_per_tok=2,
+            **layers,
+        )
+        return transformers.GptOssForCausalLM(config)
+    raise ValueError(f"unknown hybrid architecture {spec.architecture!r}")
 
 
 def ensure_model(out: Path, spec: ModelSpec) -> Path:

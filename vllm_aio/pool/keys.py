@@ -5,13 +5,14 @@ A key is ``aio:{namespace}:{shard}:{block hash}[:L{layer}]``:
 * ``namespace`` digests everything that changes the meaning of a block's
   bytes for a whole deployment: model, dtypes, block size, KV layout, the CPU
   attention ISA path (the CPU kernel packs blocks per instruction set), the
-  parallel shape, the KV cache group, the user's salt and the weight version
+  parallel shape, a hybrid model's KV cache groups, the user's salt and the weight version
   (RL trainers update weights in place: KV computed under other weights must
   neither hit nor migrate).
 * ``shard`` names the bytes one rank holds (``pool/ownership.py``): ranks with
   identical bytes share it; every shard must be present for a block to hit.
 * the block hash is vLLM's chained ``request.block_hashes`` entry, so a key
-  identifies the whole prefix up to and including that block.
+  identifies the whole prefix up to and including that block; a hybrid
+  model's groups append their index to it (``group_block_hashes``).
 * with layerwise transfer (``use_layerwise``) each layer of a block is a value
   of its own, keyed ``...:{block hash}:L{layer}``.
 
@@ -44,9 +45,14 @@ class Namespace:
     group: int
     salt: str
     weight_version: str = ""
+    # Hybrid models: each KV cache group's kind and layers (``deployment._describe_groups``).
+    kv_groups: tuple[str, ...] = ()
 
     def digest(self) -> str:
-        text = json.dumps(asdict(self), sort_keys=True)
+        fields = asdict(self)
+        if not self.kv_groups:  # left out for one group: keys stored before hybrid support still hit
+            del fields["kv_groups"]
+        text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -56,6 +62,20 @@ class Unit:
 
     layers: tuple[int, ...]
     tag: int | None  # the layer named in the key and header; None: every layer
+
+
+def group_block_hashes(block_hashes: Sequence[bytes], group: int | None) -> list[bytes]:
+    """The hashes a KV cache group's blocks are keyed by.
+
+    vLLM hashes a token prefix once for every group, but each group stores
+    other bytes for it: a hybrid model's group index is appended (8 bytes,
+    whole words for the pool's record ids), as vLLM's own prefix cache does.
+    ``None``: a model of one group, keyed by the hash alone.
+    """
+    if group is None:
+        return list(block_hashes)
+    suffix = group.to_bytes(8, "big")
+    return [h + suffix for h in block_hashes]
 
 
 def block_key(namespace_digest: str, shard: str, block_hash: bytes, layer: int | None = None) -> str:
