@@ -16,8 +16,9 @@ a missing pin, a version that changed during the copy, a scribbled payload.
 - ``pool_down``: every backend call raises.
 - ``evict_after_lookup``: the second lookup that finds blocks (in a run of
   one request at a time, the second warm pass) then evicts the pool's least
-  recently used value, for real: one part of a block the lookup counted is
-  gone before its load.
+  recently used value, for real, as ``vllm-aio pool clear`` would (a lease
+  does not stop that): one part of a block the lookup counted is gone before
+  its load.
 - ``skip_buffer_load``: the dynamic buffer never loads layer 3 (a negative
   control: attention then reads another layer's KV).
 """
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-import uuid
+
+import numpy as np
 
 from vllm_aio.backends import Status
 from vllm_aio.connector import AioConnector
 from vllm_aio.connector.layer_buffer import BufferHooks
 from vllm_aio.pool.entry import HEADER_BYTES
+from vllm_aio.pool.host_pool import READY
 
 
 class _FaultyBackend:
@@ -116,10 +119,12 @@ class _FaultySlots:
 
 
 def _evict_one(pool) -> None:
-    """Reserve every free slot and one more, so the pool evicts its least recently used value; then free them."""
-    usage = pool.usage()
-    slots = pool.reserve([f"evict-{uuid.uuid4().hex}" for _ in range(usage.num_slots - usage.num_ready + 1)])
-    pool.abandon([s for s in slots if s is not None and s >= 0])
+    """Evict the least recently used value, as ``vllm-aio pool clear`` does (leases do not stop it):
+    the pool really lost it. Its 64-byte header names exactly one value."""
+    ready = np.flatnonzero(pool._state == READY)
+    oldest = int(ready[np.argmin(pool._last_used[ready])])
+    (header,) = pool.read_headers([oldest], HEADER_BYTES)
+    assert pool.evict_values(header) == 1
 
 
 def _scribble(segments) -> None:

@@ -110,6 +110,9 @@ def assert_load_served_exactly(run: LoadRun, baseline: list[Outcome]) -> None:
     assert m["vllm:aio_failed_hit_tokens_total"] <= cached, m
     assert cached >= 0.3 * prompt_tokens, (cached, prompt_tokens)
     assert run.exit_code == 0 and not run.group_left, run.log[-3000:]
+    print(f"\n{MIX.num_requests} requests: {result.compared} completed, {len(result.wrong)} wrong, longest wait for "
+          f"a token {max(o.longest_gap_s for o in run.outcomes):.1f} s, pool hit tokens "
+          f"{m['vllm:aio_hit_tokens_total']:.0f}, failed hit tokens {m['vllm:aio_failed_hit_tokens_total']:.0f}")
     # Nothing that reveals a prompt in the connector's lines: no key, no block hash, no token ids.
     ours = [line for line in run.log.splitlines() if "vllm_aio" in line]
     assert not [line for line in ours if SENSITIVE.search(line)]

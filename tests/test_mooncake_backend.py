@@ -420,6 +420,17 @@ def test_settings_errors(inline: dict[str, Any], environ: dict[str, str], match:
         MooncakeSettings.load(inline, environ)
 
 
+@pytest.mark.parametrize(("text", "match"), [
+    ('{"master_server_address": "h:1",', "cannot read Mooncake settings from .*mc.json: Expecting"),
+    ('["h:1"]', "must hold a JSON object, got list"),
+])
+def test_a_malformed_config_file_fails_naming_the_variable_and_the_file(tmp_path: Any, text: str, match: str) -> None:
+    path = tmp_path / "mc.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"MOONCAKE_CONFIG_PATH: .*{match}"):
+        MooncakeSettings.load({}, {"MOONCAKE_CONFIG_PATH": str(path)})
+
+
 def test_unknown_key_in_file_names_the_file(tmp_path: Any) -> None:
     environ = settings_file(tmp_path, {"master_server_address": "h:1", "protocl": "tcp"})
     with pytest.raises(ConfigError, match=f"protocl in MOONCAKE_CONFIG_PATH file {environ['MOONCAKE_CONFIG_PATH']}"):

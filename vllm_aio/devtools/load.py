@@ -76,7 +76,9 @@ class Outcome:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)  # top-1 minus top-2 logprob, per token
+    longest_gap_s: float = 0.0  # the longest wait for a token, the first one's included
     error: str | None = None
+    _last: float = field(default=0.0, repr=False)
 
 
 def stream_completion(base: str, model: str, index: int, prompt: list[int], max_tokens: int,
@@ -88,7 +90,7 @@ def stream_completion(base: str, model: str, index: int, prompt: list[int], max_
         "stream": True, "stream_options": {"include_usage": True},
     }
     out = Outcome(index, len(prompt))
-    start = time.perf_counter()
+    start = out._last = time.perf_counter()
     try:
         with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=timeout) as r:
             if r.status_code != 200:
@@ -109,8 +111,10 @@ def _take_chunk(out: Outcome, chunk: dict, start: float) -> None:
         out.error = str(chunk["error"])[:200]
     for choice in chunk.get("choices", []):
         ids = choice.get("token_ids") or []
-        if ids and out.ttft_s is None:
-            out.ttft_s = time.perf_counter() - start
+        if ids:
+            now = time.perf_counter()
+            out.ttft_s = now - start if out.ttft_s is None else out.ttft_s
+            out.longest_gap_s, out._last = max(out.longest_gap_s, now - out._last), now
         out.token_ids += ids
         logprobs = choice.get("logprobs") or {}
         out.logprobs += logprobs.get("token_logprobs") or []
