@@ -94,7 +94,8 @@ def baseline(tiny_model, tmp_path_factory) -> list[Outcome]:
     return run.outcomes
 
 
-def assert_load_served_exactly(run: LoadRun, baseline: list[Outcome]) -> None:
+def assert_load_served_exactly(run: LoadRun, baseline: list[Outcome], min_hit: float = 0.3) -> None:
+    """``min_hit``: the share of prompt tokens the pool must have served (none under faults)."""
     assert [(o.index, o.error) for o in run.outcomes if o.error] == [], run.log[-3000:]
     result = compare(run.outcomes, baseline, TOLERANCE)
     assert result.compared == MIX.num_requests
@@ -108,7 +109,7 @@ def assert_load_served_exactly(run: LoadRun, baseline: list[Outcome]) -> None:
     cached = sum(o.cached_tokens for o in run.outcomes)
     assert cached == m["vllm:aio_hit_tokens_total"], m
     assert m["vllm:aio_failed_hit_tokens_total"] <= cached, m
-    assert cached >= 0.3 * prompt_tokens, (cached, prompt_tokens)
+    assert cached >= min_hit * prompt_tokens, (cached, prompt_tokens)
     assert run.exit_code == 0 and not run.group_left, run.log[-3000:]
     print(f"\n{MIX.num_requests} requests: {result.compared} completed, {len(result.wrong)} wrong, longest wait for "
           f"a token {max(o.longest_gap_s for o in run.outcomes):.1f} s, pool hit tokens "
@@ -155,7 +156,7 @@ def test_mooncake_master_killed_and_restarted_under_load_fails_no_request(
     steps = {third: pool.kill_master, 2 * third: pool.restart_master}
     run = serve_load(tiny_model, tmp_path / "server.log", aio_config(backend="mooncake", **pool.config),
                      on_done=lambda done: steps[done]() if done in steps else None)
-    assert_load_served_exactly(run, baseline)
+    assert_load_served_exactly(run, baseline, min_hit=0)
     assert "vllm_aio: pool lookup failed, treating as a miss" in run.log or "pool save failed" in run.log
 
 
@@ -165,7 +166,7 @@ def test_mooncake_memory_owner_killed_under_load_fails_no_request(
     pool = mooncake_pool_factory(POOL_SIZE)
     run = serve_load(tiny_model, tmp_path / "server.log", aio_config(backend="mooncake", **pool.config),
                      on_done=at(MIX.num_requests // 3, pool.kill_client))
-    assert_load_served_exactly(run, baseline)
+    assert_load_served_exactly(run, baseline, min_hit=0)
 
 
 def test_value_headers_overwritten_under_load_are_refused_and_recomputed(tiny_model, tmp_path, baseline):
@@ -182,7 +183,7 @@ def test_value_headers_overwritten_under_load_are_refused_and_recomputed(tiny_mo
 
     config = aio_config(local_pool_size=POOL_SIZE, local_pool_name=name)
     run = serve_load(tiny_model, tmp_path / "server.log", config, on_done=at(MIX.num_requests // 3, scribble_headers))
-    assert_load_served_exactly(run, baseline)
+    assert_load_served_exactly(run, baseline, min_hit=0)
     assert run.metrics["vllm:aio_load_failures_total"] > 0
     assert "pool blocks could not be loaded" in run.log and "foreign" in run.log
 
