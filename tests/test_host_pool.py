@@ -267,37 +267,54 @@ def test_a_key_stored_again_by_a_higher_class_is_kept_at_the_higher_class(name):
         pool.close()
 
 
-def test_a_leased_value_is_not_evicted_until_its_lease_ends(name, monkeypatch):
+def test_a_leased_value_is_evicted_last_in_its_class_until_its_lease_ends(name, monkeypatch):
+    pool = SharedHostPool(name, SLOT, 3)
+    now = [10**12]
+    monkeypatch.setattr(host_pool, "_now_ns", lambda: now[0])
+    try:
+        for key in ("a", "b", "c"):
+            assert store(pool, key, value(key)) is True
+        hi, lo = host_pool._key_ids(["a"])
+        assert pool.lease_ids(hi, lo, seconds=5) == 1
+        assert store(pool, "d", value("d")) is True  # evicts "b": "a", older, is leased
+        assert pool.contains(["a", "b"]) == [True, False]
+        now[0] += 5 * 10**9 + 1
+        pool.contains(["c", "d"])  # "a" is now the least recently used, and its lease is over
+        assert store(pool, "e", value("e")) is True
+        assert pool.contains(["a", "c", "d", "e"]) == [False, True, True, True]
+    finally:
+        pool.close()
+
+
+def test_a_lease_never_refuses_a_save_nor_outranks_a_retention_class(name, monkeypatch):
+    pool = SharedHostPool(name, SLOT, 2)
+    monkeypatch.setattr(host_pool, "_now_ns", lambda: 10**12)
+    try:
+        assert pool.commit(pool.reserve(["high"], retention=1)) == [True]
+        assert store(pool, "low", value("low")) is True
+        pool.lease_ids(*host_pool._key_ids(["low"]), seconds=60)
+        assert store(pool, "x", value("x")) is True  # the leased low-class value goes, the high one stays
+        assert pool.contains(["high", "low", "x"]) == [True, False, True]
+        pool.lease_ids(*host_pool._key_ids(["high", "x"]), seconds=60)
+        assert store(pool, "y", value("y")) is True  # every value leased: still stored
+        assert pool.lease_ids(*host_pool._key_ids(["absent"]), seconds=1) == 0
+    finally:
+        pool.close()
+
+
+def test_a_lease_is_never_shortened_by_a_later_one(name, monkeypatch):
     pool = SharedHostPool(name, SLOT, 2)
     now = [10**12]
     monkeypatch.setattr(host_pool, "_now_ns", lambda: now[0])
     try:
         for key in ("a", "b"):
             assert store(pool, key, value(key)) is True
-        a_id, b_id = host_pool._key_ids(["a", "b"])
-        assert pool.lease_ids(a_id[:1], b_id[:1], seconds=5) == 1
-        assert store(pool, "c", value("c")) is True  # evicts "b": "a", older, is leased
-        assert pool.contains(["a", "b", "c"]) == [True, False, True]
-        now[0] += 5 * 10**9 + 1
-        pool.contains(["c"])  # "a" is now the least recently used, and free to go
-        assert store(pool, "d", value("d")) is True
-        assert pool.contains(["a", "c", "d"]) == [False, True, True]
-    finally:
-        pool.close()
-
-
-def test_a_lease_is_never_shortened_by_a_later_one(name, monkeypatch):
-    pool = SharedHostPool(name, SLOT, 1)
-    now = [10**12]
-    monkeypatch.setattr(host_pool, "_now_ns", lambda: now[0])
-    try:
-        assert store(pool, "a", value("a")) is True
         hi, lo = host_pool._key_ids(["a"])
         pool.lease_ids(hi, lo, seconds=10)
         pool.lease_ids(hi, lo, seconds=1)
         now[0] += 2 * 10**9
-        assert pool.reserve(["b"]) == [-1]  # the first holder's lease still runs
-        assert pool.lease_ids(*host_pool._key_ids(["absent"]), seconds=1) == 0
+        assert store(pool, "c", value("c")) is True  # the first holder's lease still runs: "b" goes
+        assert pool.contains(["a", "b"]) == [True, False]
     finally:
         pool.close()
 

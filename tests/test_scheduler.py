@@ -12,7 +12,7 @@ import pytest
 
 from vllm_aio.backends import Backend, Status
 from vllm_aio.connector.deployment import Deployment
-from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.connector.scheduler import LEASE_MIN_SECONDS, AioScheduler
 from vllm_aio.pool.keys import Namespace, block_key
 from vllm_aio.pool.ownership import Ownership
 
@@ -184,15 +184,30 @@ def test_allocated_hit_becomes_a_load_of_exactly_the_pool_blocks():
     assert sched.build_connector_meta(step()).loads == []
 
 
-def test_an_allocated_hit_is_leased_for_the_transfer_timeout_until_the_worker_reads_it():
+def test_an_allocated_hit_is_leased_until_the_worker_reads_it():
     backend, dep = DictBackend(), deployment()
     req = Req("a", 22)
     store(backend, dep, req, 4)
-    sched = AioScheduler(dep, backend, lease_seconds=7.5)
+    sched = AioScheduler(dep, backend)
     n, _ = sched.get_num_new_matched_tokens(req, 4)
     assert backend.leases == []  # a lookup promises nothing: the request may wait
     sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), n)
-    assert backend.leases == [(req.block_hashes[1:4], 7.5)]
+    assert backend.leases == [(req.block_hashes[1:4], LEASE_MIN_SECONDS)]  # no pace measured yet
+
+
+@pytest.mark.parametrize(("intervals", "lease"), [
+    ([0.01] * 8, LEASE_MIN_SECONDS),  # fast steps: the floor
+    ([2.0] * 8 + [600.0], 4 * 2.0),  # a few steps of the recent pace; an idle gap does not count
+    ([20.0] * 8, 30.0),  # never longer than a load may take
+])
+def test_a_lease_lasts_a_few_steps_of_the_recent_pace(intervals, lease):
+    now = [0.0]
+    sched = AioScheduler(deployment(), DictBackend(), max_lease_seconds=30.0, clock=lambda: now[0])
+    sched.build_connector_meta(step())
+    for interval in intervals:
+        now[0] += interval
+        sched.build_connector_meta(step())
+    assert sched.lease_seconds() == pytest.approx(lease)
 
 
 def test_a_failed_lease_leaves_the_load_planned():

@@ -75,7 +75,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
         if is_scheduler:
             if kv_events:
                 self._events = KVEvents(dep.block_size, backend.block_watch(), cfg.transfer_timeout)
-            self._scheduler = AioScheduler(dep, backend, self._events, lease_seconds=cfg.transfer_timeout)
+            self._scheduler = AioScheduler(dep, backend, self._events, max_lease_seconds=cfg.transfer_timeout)
             _log_start(cfg, dep, transfer, backend)
             if cfg.migration:
                 from vllm_aio.migration.service import MigrationService

@@ -32,7 +32,11 @@ still held at the step's start, and never its null block (id 0).
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import threading
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -104,14 +108,40 @@ class _Tracker:
         self.num_saved_blocks = [0] * self.num_groups
 
 
+# A load is read in the step whose metadata carries it (one step later with async scheduling):
+# four steps leave room; a second at least covers a pace not measured yet.
+LEASE_STEPS = 4
+LEASE_MIN_SECONDS = 1.0
+
+
+class _StepClock:
+    """The engine's recent pace: the median interval between the last metadata builds
+    (an idle gap between requests is one sample, which the median ignores)."""
+
+    def __init__(self, clock: Callable[[], float], samples: int = 16) -> None:
+        self._clock = clock
+        self._last: float | None = None
+        self._intervals: deque[float] = deque(maxlen=samples)
+
+    def tick(self) -> None:
+        now = self._clock()
+        if self._last is not None:
+            self._intervals.append(now - self._last)
+        self._last = now
+
+    def step_seconds(self) -> float:
+        return statistics.median(self._intervals) if self._intervals else 0.0
+
+
 class AioScheduler:
     def __init__(self, deployment: Deployment, backend: Backend, events: KVEvents | None = None,
-                 lease_seconds: float = 30.0) -> None:
+                 max_lease_seconds: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._dep = deployment
         self._backend = backend
-        # How long the blocks promised to a load are kept from eviction: the
-        # worker reads them in the next step, bounded by transfer_timeout.
-        self._lease_seconds = lease_seconds
+        # The blocks promised to a load are leased for a few steps (``_lease``),
+        # never longer than a load may take (transfer_timeout).
+        self._max_lease_seconds = max_lease_seconds
+        self._steps_clock = _StepClock(clock)
         self._events = events  # with vLLM's KV cache events: told of saves planned and blocks found missing
         self.namespace = deployment.namespace
         # A block hits only when every distinct shard of the deployment (and,
@@ -307,17 +337,24 @@ class AioScheduler:
             self._lookups.hit_tokens += num_external_tokens
             self._lookups.miss_tokens += prompt_tokens - plan.local_tokens - num_external_tokens
 
+    def lease_seconds(self) -> float:
+        """How long a promised hit is kept: ``LEASE_STEPS`` steps of the engine's recent pace, at least
+        ``LEASE_MIN_SECONDS``. Longer, leased values would crowd out what other requests save
+        (and what a higher retention class should keep); a value gone before its load is recomputed."""
+        return min(self._max_lease_seconds, max(LEASE_MIN_SECONDS, LEASE_STEPS * self._steps_clock.step_seconds()))
+
     def _lease(self, hashes: list[bytes]) -> None:
         """Keep the promised blocks from eviction until the worker has read them (where the
         store allows, ``Backend.lease_blocks``): without it, saves of this very step can
         evict them, and the load then fails and vLLM recomputes."""
         try:
-            self._backend.lease_blocks(self.parts, hashes, self._lease_seconds)
+            self._backend.lease_blocks(self.parts, hashes, self.lease_seconds())
         except Exception as exc:  # the load finds out what is gone, and vLLM recomputes that
             logger.warning("vllm_aio: pool lease failed, the load goes on unprotected: %s", exc)
 
     # ---- per step --------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> AioConnectorMetadata:
+        self._steps_clock.tick()
         for req_id in scheduler_output.finished_req_ids:
             self._trackers.pop(req_id, None)
             self._claims.pop(req_id, None)

@@ -24,10 +24,12 @@ one file in ``/dev/shm`` that every process maps:
   (``pool/keys.py``) counts the group's READY values. ``commit`` adds one,
   eviction takes one away, so a record is exact at every moment the lock is
   free. Keys that are not block keys have no record.
-* A lease keeps values from eviction until a deadline (``lease_ids``): the
-  scheduler leases the blocks it promises to a load, so a save's eviction
-  between the lookup and the worker's read cannot take them. Deadlines are
-  ``CLOCK_MONOTONIC`` times, one clock for every process of the host.
+* A lease puts values at the back of their class's eviction order until a
+  deadline (``lease_ids``): the scheduler leases the blocks it promises to a
+  load, so the saves between its lookup and the worker's read evict every other
+  value of that class first. A lease never refuses a save and never outranks a
+  retention class. Deadlines are ``CLOCK_MONOTONIC`` times, one clock for every
+  process of the host.
 * An eviction log tells any attached process which blocks lost a value, so
   an instance can report ``BlockRemoved`` for blocks evicted by another
   process (a worker's put, another instance sharing the pool): the k-th
@@ -625,14 +627,15 @@ class SharedHostPool:
         return slots
 
     def _evict(self, count: int) -> list[int]:
-        # A leased value (``lease``) is promised to a load that has not read it yet.
-        ready = np.flatnonzero((self._state == READY) & (self._lease_until <= _now_ns()))
+        ready = np.flatnonzero(self._state == READY)
         if not len(ready):
             return []
         count = min(count, len(ready))
-        # Lowest class first, least recently used within it: the clock stays
-        # far below 2**48 ticks, so one integer orders both.
-        order = (self._retention[ready] << 48) | self._last_used[ready]
+        # Lowest class first; within a class, values leased to a load that has not
+        # read them yet (``lease_ids``) last; least recently used first otherwise.
+        # The clock stays far below 2**48 ticks, so one integer orders all three.
+        leased = (self._lease_until[ready] > _now_ns()).astype(np.int64)
+        order = (self._retention[ready] << 49) | (leased << 48) | self._last_used[ready]
         # In slot order: a batch's values then lie back to back where they can,
         # so a direct load finds them in runs it moves by DMA (``connector/mapped_slots.py``).
         victims = np.sort(ready[np.argpartition(order, count - 1)[:count]])
@@ -793,7 +796,7 @@ class SharedHostPool:
         return slots, versions
 
     def lease_ids(self, hi: np.ndarray, lo: np.ndarray, seconds: float) -> int:
-        """Keep the values with these ids from eviction for ``seconds`` (absent ids are skipped); how many are held.
+        """Evict the values with these ids last in their class for ``seconds`` (absent ids are skipped); how many are held.
 
         A lease only ever grows (another holder may need it longer) and ends by
         time alone: its holder, a scheduler that promised the values to a load,
