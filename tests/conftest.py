@@ -27,6 +27,12 @@ RUNNER = Path(__file__).resolve().parent / "engine_runner.py"
 # (prefill vs. the short remaining chunk) differ.
 LOGPROB_TOLERANCE = 0.05
 
+# Two test files run at once on CI's two cores, each starting engines whose
+# OpenMP threads span both cores. Threads that spin at barriers while the other
+# file's engine holds the core slow both down; sleeping ones do not (measured: two
+# engines side by side finished in 58 s instead of 69 s). Arithmetic is unchanged.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "npu: needs an Ascend NPU (torch_npu): skipped without one, "
@@ -184,6 +190,17 @@ def baseline(tiny_model: Path, tmp_path_factory) -> dict[str, list[dict]]:
     return dict(zip(names, rounds))
 
 
+def assert_output_varies(results: list[dict]) -> None:
+    """An equality check on a model that repeats one token would prove nothing."""
+    assert all(len(set(r["token_ids"])) >= len(r["token_ids"]) // 2 for r in results), "output does not vary"
+
+
+# Runs with a configuration no TP=1 test has (TP=2, MLA, another architecture)
+# check their warm pass against their own cold pass instead of a no-connector
+# engine of their own: a cold pass loads nothing, and that the connector's
+# stores leave the computation untouched is shown against no-connector engines
+# by the TP=1 tests. Each such engine costs a minute on CI's two cores.
+
 # Tensor parallel 2 on a 2-core machine: one core per rank (vLLM's default
 # binding fails with "Not enough allowed NUMA nodes to bind threads").
 TP2 = {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
@@ -217,20 +234,3 @@ def tiny_mla_model() -> Path:
 # and takes 16-token blocks only. Left to choose, vLLM picks AMX_MLA where the
 # CPU has AMX (32-token blocks), so the backend is pinned for one behaviour.
 MLA = {"attention_backend": "CPU_MLA", "block_size": 16}
-
-
-@pytest.fixture(scope="session")
-def tp2_baseline(tmp_path_factory) -> Callable[..., list[dict]]:
-    """``tp2_baseline(model, **spec)``: no-connector output for PROMPTS["tp2"] at TP=2
-    (TP changes float rounding, so it has its own baseline); one engine run per
-    model and spec in a session, shared by the local-pool and Mooncake tests."""
-    results: dict[str, list[dict]] = {}
-
-    def run(model: Path, **spec) -> list[dict]:
-        key = json.dumps([str(model), spec], sort_keys=True)
-        if key not in results:
-            engine = Engine(model, tmp_path_factory.mktemp("tp2-baseline"))
-            (results[key],) = engine.run([PROMPTS["tp2"]], **TP2, **spec)
-        return results[key]
-
-    return run

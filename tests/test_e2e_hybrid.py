@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, Engine, aio_config, assert_same_generation, make_prompts, require
+from conftest import ROOT, Engine, aio_config, assert_output_varies, assert_same_generation, make_prompts, require
 
 PROMPTS = make_prompts(11, [330, 700])
 BLOCK = 32
@@ -44,8 +44,7 @@ def _warm_hits(warm: list[dict]) -> None:
 
 
 def test_hybrid_model_output_varies(swa_baseline):
-    # An equality check on a model that repeats one token would prove nothing.
-    assert all(len(set(r["token_ids"])) >= len(r["token_ids"]) // 2 for r in swa_baseline)
+    assert_output_varies(swa_baseline)
 
 
 def test_warm_run_of_a_sliding_window_model_loads_every_group_and_matches_no_connector(
@@ -77,16 +76,13 @@ def test_a_lost_block_of_a_hybrid_model_recomputes_the_request(swa_model, swa_ba
     [("tiny_cohere2", "2 (window 65, full)"), ("tiny_gpt_oss", "2 (window 64, full)"),
      ("tiny_mistral_swa", "1 (window 64)")],  # vLLM's Cohere2 widens the window by one
 )
-def test_other_sliding_window_architectures_match_no_connector_when_warm(preset, groups, tmp_path):
-    model = _model(preset)
-    (baseline,) = Engine(model, tmp_path).run([PROMPTS])
-    assert all(len(set(r["token_ids"])) >= len(r["token_ids"]) // 2 for r in baseline)
-    engine = Engine(model, tmp_path)
+def test_other_sliding_window_architectures_match_their_cold_run_when_warm(preset, groups, tmp_path):
+    engine = Engine(_model(preset), tmp_path)
     cold, warm = engine.run([PROMPTS, PROMPTS], aio_config())
     assert f"kv_cache_groups={groups}" in engine.last_log
     _warm_hits(warm)
-    assert_same_generation(cold, baseline)
-    assert_same_generation(warm, baseline)
+    assert_output_varies(cold)
+    assert_same_generation(warm, cold)  # the cold pass as reference: see conftest
 
 
 def test_a_preempted_hybrid_request_resumes_from_its_rescued_blocks(swa_model, tmp_path):

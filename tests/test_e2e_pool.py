@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from conftest import PROMPTS, TP2, Engine, aio_config, assert_same_generation
+from conftest import PROMPTS, TP2, Engine, aio_config, assert_output_varies, assert_same_generation
 
 
 def _cached_fraction(result: dict) -> float:
@@ -28,9 +28,7 @@ TRANSFER_MODES = {
 
 
 def test_model_output_varies(baseline):
-    # An equality check on a model that repeats one token would prove nothing.
-    for result in baseline["warm"]:
-        assert len(set(result["token_ids"])) >= len(result["token_ids"]) // 2
+    assert_output_varies(baseline["warm"])
 
 
 
@@ -107,7 +105,7 @@ def test_pool_down_serves_every_request_by_recompute(engine, baseline):
     assert "pool lookup failed, treating as a miss" in engine.last_log
 
 
-def _tp2_run(model, workdir, baseline: list[dict]) -> int:
+def _tp2_run(model, workdir) -> int:
     """Cold then warm at TP=2 on a named pool; returns how many blocks it holds."""
     from vllm_aio.pool.host_pool import SharedHostPool
 
@@ -118,21 +116,21 @@ def _tp2_run(model, workdir, baseline: list[dict]) -> int:
         prompts = PROMPTS["tp2"]
         cold, warm = engine.run([prompts, prompts], aio_config(local_pool_name=name), **TP2)
         assert all(_cached_fraction(r) >= 0.8 for r in warm), [r["cached"] for r in warm]
-        assert_same_generation(cold, baseline)
-        assert_same_generation(warm, baseline)
+        assert_output_varies(cold)
+        assert_same_generation(warm, cold)  # the cold pass as reference: see conftest
         return holder.usage().num_ready
     finally:
         holder.close()
 
 
-def test_tensor_parallel_ranks_store_and_load_their_own_heads(tiny_model, tmp_path, tp2_baseline):
+def test_tensor_parallel_ranks_store_and_load_their_own_heads(tiny_model, tmp_path):
     # Each rank holds one of the model's two KV heads: a key without the rank
     # (vLLM's ExampleConnector's mistake at TP=2) would serve the wrong head.
-    stored = _tp2_run(tiny_model, tmp_path, tp2_baseline(tiny_model))
+    stored = _tp2_run(tiny_model, tmp_path)
     assert stored == 2 * sum(len(p) // 32 for p in PROMPTS["tp2"])
 
 
-def test_ranks_holding_identical_kv_store_one_copy_between_them(tiny_1kv_model, tmp_path, tp2_baseline):
+def test_ranks_holding_identical_kv_store_one_copy_between_them(tiny_1kv_model, tmp_path):
     # One KV head: both ranks hold the same bytes; each stores half the blocks.
-    stored = _tp2_run(tiny_1kv_model, tmp_path, tp2_baseline(tiny_1kv_model))
+    stored = _tp2_run(tiny_1kv_model, tmp_path)
     assert stored == sum(len(p) // 32 for p in PROMPTS["tp2"])
