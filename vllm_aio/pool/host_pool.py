@@ -557,18 +557,11 @@ class SharedHostPool:
         return slots
 
     def _evict(self, count: int) -> np.ndarray:
-        ready = np.flatnonzero(self._state == READY)
-        if not len(ready):
-            return ready
-        count = min(count, len(ready))
         # Lowest class first; within a class, values leased to a load that has not
         # read them yet (``lease_ids``) last; least recently used first otherwise.
-        # The clock stays far below 2**48 ticks, so one integer orders all three.
-        leased = (self._lease_until[ready] > _now_ns()).astype(np.int64)
-        order = (self._retention[ready] << 49) | (leased << 48) | self._last_used[ready]
         # In slot order: a batch's values then lie back to back where they can,
         # so a direct load finds them in runs it moves by DMA (``connector/mapped_slots.py``).
-        victims = np.sort(ready[np.argpartition(order, count - 1)[:count]])
+        victims = index_ops.victims(self._state, self._retention, self._lease_until, self._last_used, _now_ns(), count)
         self._drop_ready(victims)
         return victims
 

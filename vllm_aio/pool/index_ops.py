@@ -164,3 +164,40 @@ def drop(index: Arrays3, records: Arrays3, slot_groups: Arrays2, slots: np.ndarr
         assert found == slot, "a READY slot is missing from the index"
         _unindex(index, bucket)
         _count_part(records, group_hi[slot], group_lo[slot], -1)
+
+
+@njit(cache=True, nogil=True)
+def victims(
+    state: np.ndarray, retention: np.ndarray, lease_until: np.ndarray, last_used: np.ndarray, now: int, count: int
+) -> np.ndarray:
+    """The first ``count`` READY slots in eviction order, in slot order.
+
+    Lowest class first; within a class, values leased (``lease_until`` after
+    ``now``) last; least recently used first otherwise. The clock stays far
+    below 2**48 ticks, so one integer orders all three. One pass over the
+    slots and one partition: the pool is scanned once per save that evicts.
+    """
+    ready = np.empty(len(state), dtype=np.int64)
+    order = np.empty(len(state), dtype=np.int64)
+    n = 0
+    for slot in range(len(state)):
+        if state[slot] == READY:
+            leased = 1 if lease_until[slot] > now else 0
+            ready[n], order[n] = slot, (retention[slot] << 49) | (leased << 48) | last_used[slot]
+            n += 1
+    count = min(count, n)
+    out = np.empty(count, dtype=np.int64)
+    if count == 0:
+        return out
+    order = order[:n]
+    last = np.partition(order, count - 1)[count - 1]  # the order of the last victim
+    ties = count - np.count_nonzero(order < last)  # victims ordered as the last one (at least it)
+    k = 0
+    for i in range(n):
+        if order[i] == last and ties > 0:
+            ties -= 1
+        elif order[i] >= last:
+            continue
+        out[k] = ready[i]
+        k += 1
+    return out
