@@ -18,9 +18,11 @@ Why compiled: a commit, and in a full pool every save's eviction, touched
 both tables once per key, and in Python that cost ~10 us a value, more than
 copying a 64 KiB value takes. The loops are numba-compiled (``nogil``: another
 thread of the process copies meanwhile) on first call and cached on disk as
-``host_copy.py``'s are. Measured on a 2-core VM: the first call in a process
-~1.4 s compiling every function here, ~0.25 s from the cache; later a
-reserve + commit of 4,096 keys that evicts 4,096 others ~1.2 ms (0.3 us a key).
+``host_copy.py``'s are. Measured on a 2-core VM with other work running:
+compiling every function here took 2.6-3.2 s in all (the first reserve,
+commit and eviction of a process), loading them from the cache 0.3-0.4 s.
+numba's ``np.partition`` alone took 7.7 s to compile, so eviction's
+selection stays numpy's (``SharedHostPool._evict``).
 """
 
 from __future__ import annotations
@@ -167,15 +169,14 @@ def drop(index: Arrays3, records: Arrays3, slot_groups: Arrays2, slots: np.ndarr
 
 
 @njit(cache=True, nogil=True)
-def victims(
-    state: np.ndarray, retention: np.ndarray, lease_until: np.ndarray, last_used: np.ndarray, now: int, count: int
-) -> np.ndarray:
-    """The first ``count`` READY slots in eviction order, in slot order.
+def eviction_order(
+    state: np.ndarray, retention: np.ndarray, lease_until: np.ndarray, last_used: np.ndarray, now: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(READY slots, their eviction order: lowest first), in one pass over the slots.
 
     Lowest class first; within a class, values leased (``lease_until`` after
     ``now``) last; least recently used first otherwise. The clock stays far
-    below 2**48 ticks, so one integer orders all three. One pass over the
-    slots and one partition: the pool is scanned once per save that evicts.
+    below 2**48 ticks, so one integer orders all three.
     """
     ready = np.empty(len(state), dtype=np.int64)
     order = np.empty(len(state), dtype=np.int64)
@@ -185,19 +186,4 @@ def victims(
             leased = 1 if lease_until[slot] > now else 0
             ready[n], order[n] = slot, (retention[slot] << 49) | (leased << 48) | last_used[slot]
             n += 1
-    count = min(count, n)
-    out = np.empty(count, dtype=np.int64)
-    if count == 0:
-        return out
-    order = order[:n]
-    last = np.partition(order, count - 1)[count - 1]  # the order of the last victim
-    ties = count - np.count_nonzero(order < last)  # victims ordered as the last one (at least it)
-    k = 0
-    for i in range(n):
-        if order[i] == last and ties > 0:
-            ties -= 1
-        elif order[i] >= last:
-            continue
-        out[k] = ready[i]
-        k += 1
-    return out
+    return ready[:n], order[:n]
