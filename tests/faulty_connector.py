@@ -91,7 +91,7 @@ class _FaultySlots:
         self._torn: set[int] = set()
 
     def __getattr__(self, name):  # the mapping itself (region, slot_size) stays
-        if self.fault == "pool_down" and name in ("reserve", "commit", "abandon"):
+        if self.fault == "pool_down" and name in ("reserve", "reserve_blocks", "commit", "abandon"):
             raise ConnectionError("injected: pool unreachable")
         return getattr(self.inner, name)
 

@@ -3,7 +3,7 @@
 Loaded by real vLLM through ``kv_connector_module_path: recording_connector``.
 Each process appends the keys it puts, one a line, to ``$AIO_RECORD_DIR/<pid>``,
 so a test can tell which worker (rank) stored what: through ``batch_put``, or
-through the embedded pool's slots (``reserve``) on the direct path. Everything else (vLLM, the
+through the embedded pool's slots (``reserve_blocks``) on the direct path. Everything else (vLLM, the
 connector, the pool) is the real thing.
 """
 
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_aio.connector import AioConnector
+from vllm_aio.pool.keys import block_key
 
 
 class _Recorder:
@@ -32,6 +33,11 @@ class _RecordingSlots(_Recorder):
     def reserve(self, keys: Sequence[str], retention: int = 0) -> Any:
         self._record(keys)
         return self.inner.reserve(keys, retention)
+
+    def reserve_blocks(self, namespace_digest: str, shard: str, tag: int | None, hashes: Sequence[bytes],
+                       retention: int = 0) -> Any:
+        self._record([block_key(namespace_digest, shard, h, tag) for h in hashes])
+        return self.inner.reserve_blocks(namespace_digest, shard, tag, hashes, retention)
 
 
 class _RecordingBackend(_Recorder):

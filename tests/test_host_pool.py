@@ -856,3 +856,173 @@ def test_sweeping_dead_pools_leaves_other_users_files_alone(name, new_name):
         assert theirs.exists()
     finally:
         theirs.unlink()
+
+
+# ---- saves by block hash, batches, churn -------------------------------------------
+
+
+def test_reserve_blocks_answers_as_reserve_of_the_block_keys_would(name):
+    shard, tag = "pp0.dcp0.h0", 3
+    hashes = [hashlib.sha256(bytes([i])).digest() for i in range(6)]
+    keys = [block_key(DIGEST, shard, h, tag) for h in hashes]
+    pool = SharedHostPool(name, SLOT, 8)
+    try:
+        put_keys(pool, keys[:3])  # stored through the string keys
+        slots = pool.reserve_blocks(DIGEST, shard, tag, hashes)
+        assert (slots[:3] == host_pool.SLOT_STORED).all() and (slots[3:] >= 0).all()
+        assert pool.commit(slots[3:]) == [True] * 3  # an array, as the direct path passes it
+        # The same ids as the strings': every key is found where reserve_blocks put it, and stored.
+        assert [slot for slot, _ in pool.pin_for_read(keys)][3:] == slots[3:].tolist()
+        assert pool.reserve(keys) == [None] * 6
+        # And the same block records: each block has its one part.
+        assert complete(pool, hashes, BlockParts(DIGEST, (shard,), (tag,))) == 6
+        # No room: every slot reserved (the stored values evicted for it), and both say so alike.
+        writing = pool.reserve_array([f"w{i}" for i in range(8)])
+        assert pool.reserve_blocks(DIGEST, shard, tag, hashes).tolist() == [host_pool.SLOT_NO_ROOM] * 6
+        assert pool.reserve(keys) == [-1] * 6
+        pool.abandon(writing)
+    finally:
+        pool.close()
+
+
+def test_a_batch_committing_one_key_twice_stores_it_once(name):
+    [h] = block_hashes(1)
+    key = block_key(DIGEST, "pp0.dcp0.h0", h)
+    pool = SharedHostPool(name, SLOT, 4)
+    try:
+        [first], [second] = pool.reserve([key]), pool.reserve([key])  # two writers, neither committed
+        assert pool.commit([first, second]) == [True, False]
+        assert pool.usage().num_ready == 1
+        assert pool.block_parts(namespace_groups(DIGEST, False, [h])).tolist() == [1]  # counted once
+        # The loser's slot is free again: three more values fit without an eviction.
+        assert sorted(pool.reserve_array(["a", "b", "c"]).tolist()) == sorted({0, 1, 2, 3} - {first})
+        assert pool.usage().evictions == 0
+    finally:
+        pool.close()
+
+
+class PoolModel:
+    """What a pool of ``num_slots`` slots should hold, in plain Python: READY keys by last use, reservations."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.last_used: dict[str, int] = {}  # READY keys
+        self.pending: dict[int, str] = {}  # reserved slot -> its key
+        self.clock = self.evictions = self.lookups = self.hits = 0
+
+    def touch(self, key: str) -> None:
+        self.clock += 1
+        self.last_used[key] = self.clock
+
+    def reserve(self, keys: list[str]) -> tuple[list[str], list[str]]:
+        """(the keys that get a slot, those stored already: the same batch may evict them); the rest: no room."""
+        missing = [k for k in keys if k not in self.last_used]
+        stored = [k for k in keys if k in self.last_used]
+        for key in keys:
+            if key in self.last_used:
+                self.touch(key)
+        free = self.num_slots - len(self.last_used) - len(self.pending)
+        evicted = sorted(self.last_used, key=self.last_used.__getitem__)[: max(0, len(missing) - free)]
+        for key in evicted:
+            del self.last_used[key]
+        self.evictions += len(evicted)
+        return missing[: free + len(evicted)], stored
+
+    def commit(self, slots: list[int]) -> list[bool]:
+        out = []
+        for slot in slots:
+            key = self.pending.pop(slot)
+            out.append(key not in self.last_used)
+            if out[-1]:
+                self.touch(key)
+        return out
+
+    def pin(self, keys: list[str]) -> list[bool]:
+        found = [k in self.last_used for k in keys]
+        for key in (k for k, f in zip(keys, found) if f):
+            self.touch(key)
+        self.lookups, self.hits = self.lookups + len(keys), self.hits + sum(found)
+        return found
+
+    def evict_all(self) -> None:
+        self.evictions += len(self.last_used)
+        self.last_used.clear()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_records_and_index_stay_exact_through_random_saves_and_evictions(name, seed):
+    rng = np.random.default_rng(seed)
+    parts = BlockParts(DIGEST, ("pp0.dcp0.h0",), (0, 1, 2))
+    hashes = block_hashes(10, tag=f"r{seed}")
+    keys = {(h, t): block_key(DIGEST, parts.shards[0], h, t) for h in hashes for t in parts.tags}
+    groups = namespace_groups(DIGEST, True, hashes)
+    pool, model = SharedHostPool(name, SLOT, 16), PoolModel(16)
+    try:
+        for _ in range(300):
+            op = rng.choice(["reserve", "reserve_blocks", "commit", "abandon", "pin", "evict_all"],
+                            p=[0.3, 0.3, 0.2, 0.05, 0.13, 0.02])
+            if op == "reserve":
+                chosen = [list(keys.values())[i] for i in rng.choice(len(keys), rng.integers(1, 9), replace=False)]
+                slots = pool.reserve(chosen)
+            elif op == "reserve_blocks":
+                tag = int(rng.choice(parts.tags))
+                picked = [hashes[i] for i in rng.choice(len(hashes), rng.integers(1, 7), replace=False)]
+                chosen = [keys[h, tag] for h in picked]
+                slots = [None if s == host_pool.SLOT_STORED else s
+                         for s in pool.reserve_blocks(DIGEST, parts.shards[0], tag, picked).tolist()]
+            if op in ("reserve", "reserve_blocks"):
+                granted, stored = model.reserve(chosen)
+                assert [k for k, s in zip(chosen, slots) if s is not None and s >= 0] == granted
+                assert [k for k, s in zip(chosen, slots) if s is None] == stored
+                model.pending.update((s, k) for k, s in zip(chosen, slots) if s is not None and s >= 0)
+            elif op == "commit" and model.pending:
+                batch = list(rng.permutation(list(model.pending))[: rng.integers(1, len(model.pending) + 1)])
+                assert pool.commit(np.asarray(batch)) == model.commit([int(s) for s in batch])
+            elif op == "abandon" and model.pending:
+                slot = int(rng.choice(list(model.pending)))
+                pool.abandon([slot])
+                del model.pending[slot]
+            elif op == "pin":
+                asked = list(keys.values())
+                assert [p is not None for p in pool.pin_for_read(asked)] == model.pin(asked)
+            elif op == "evict_all":
+                pool.evict_values()
+                model.evict_all()
+            stored = [sum(keys[h, t] in model.last_used for t in parts.tags) for h in hashes]
+            assert pool.block_parts(groups).tolist() == stored
+            complete_now = [n == parts.count for n in stored] + [False]
+            assert pool.complete_blocks(groups, parts.count) == complete_now.index(False)
+            usage = pool.usage()
+            assert (usage.num_ready, usage.evictions, usage.lookups, usage.hits) == (
+                len(model.last_used), model.evictions, model.lookups, model.hits)
+        assert pool.writing_slots() == len(model.pending)
+    finally:
+        pool.close()
+
+
+def test_every_key_stays_findable_through_churn_in_a_tiny_table_of_collisions(name):
+    # 8 slots: a 16-bucket table. Every id's home is one of 3 buckets, and every
+    # block record's too: long probe runs that eviction deletes from the middle of.
+    pool = SharedHostPool(name, SLOT, 8)
+    rng = np.random.default_rng(0)
+    universe = np.arange(40, dtype=np.int64)
+    lo = universe * 16 + universe % 3  # homes 0, 1, 2
+    hi = universe + 1
+    pair = universe // 2  # two values per record
+    groups = host_pool.BlockGroups(pair * 2 + 1, pair * 16 + pair % 3)
+    try:
+        stored: set[int] = set()
+        for _ in range(200):
+            batch = rng.choice(universe, rng.integers(1, 6), replace=False)
+            slots = pool.reserve_ids(hi[batch], lo[batch], host_pool.BlockGroups(groups.hi[batch], groups.lo[batch]))
+            fresh = slots >= 0
+            won = pool.commit(slots[fresh])
+            stored |= set(batch[slots == host_pool.SLOT_STORED].tolist()) | set(batch[fresh][won].tolist())
+            present = pool.pin_ids(hi, lo)[0] >= 0
+            stored &= set(universe[present].tolist())  # what eviction took
+            assert set(universe[present].tolist()) == stored and len(stored) == pool.usage().num_ready <= 8
+            # Each record counts exactly the values of its ids that are found.
+            parts = pool.block_parts(groups)
+            assert (parts == np.bincount(pair, weights=present)[pair]).all()
+    finally:
+        pool.close()

@@ -230,11 +230,18 @@ class SlotStore(Protocol):
         """Per key: a slot to fill, None if already stored, -1 if there is no room
         (``retention`` as for ``Backend.batch_put``)."""
 
-    def commit(self, slots: Sequence[int]) -> list[bool]:
-        """Publish filled slots; False where another writer stored the key first."""
+    def reserve_blocks(self, namespace_digest: str, shard: str, tag: int | None, hashes: Sequence[bytes],
+                       retention: int = 0):
+        """``reserve`` of the block keys of ``hashes``, found from the hashes alone (as ``pin_blocks``):
+        an integer array, per hash a slot, ``SLOT_STORED`` if already stored or ``SLOT_NO_ROOM``
+        (``pool/host_pool.py``)."""
 
-    def abandon(self, slots: Sequence[int]) -> None:
-        """Give reserved slots back unfilled."""
+    def commit(self, slots) -> list[bool]:
+        """Publish filled slots (a sequence or an integer array); False where another writer,
+        or an earlier slot of the batch, stored the key first."""
+
+    def abandon(self, slots) -> None:
+        """Give reserved slots (a sequence or an integer array) back unfilled."""
 
     def read_headers(self, slots: Sequence[int], length: int) -> list[bytes]:
         """The first ``length`` bytes of each slot (a migration checks what a peer wrote)."""

@@ -32,8 +32,12 @@ import numpy as np
 from vllm_aio.backends.base import Backend, Segment, Status, distinct_only
 from vllm_aio.backends.segments import FlatSegments
 from vllm_aio.host_copy import copy_many
-from vllm_aio.pool.host_pool import BlockGroups, SharedHostPool, namespace_groups, slots_for, value_ids
+from vllm_aio.pool.host_pool import SLOT_STORED, BlockGroups, SharedHostPool, namespace_groups, slots_for, value_ids
 from vllm_aio.pool.keys import BlockParts
+
+# A put's statuses, as codes into this array: picked for a whole batch with numpy.
+_PUT_STATUSES = np.array([Status.OK, Status.EXISTS, Status.NO_SPACE, Status.ERROR], dtype=object)
+_OK, _EXISTS, _NO_SPACE, _ERROR = range(4)
 
 
 class LocalBackend(Backend):
@@ -89,32 +93,24 @@ class LocalBackend(Backend):
 
     def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], retention: int) -> list[Status]:
         values = FlatSegments.of(segments)
-        fits = (values.totals() == self.pool.slot_size).tolist()
-        out: list[Status] = []
-        filled: list[int] = []  # slots copied into, published by commit
-        positions: list[int] = []  # their positions in `keys`
-        for i, slot in enumerate(self.pool.reserve(keys, retention)):
-            if slot is None:
-                out.append(Status.EXISTS)
-            elif slot < 0:
-                out.append(Status.NO_SPACE)
-            elif not fits[i]:
-                self.pool.abandon([slot])
-                out.append(Status.ERROR)
-            else:
-                filled.append(slot)
-                positions.append(i)
-                out.append(Status.OK)
+        slots = self.pool.reserve_array(keys, retention)
+        reserved = slots >= 0
+        fits = values.totals() == self.pool.slot_size
+        misfits = slots[reserved & ~fits]
+        if len(misfits):  # rare: spares the common put a lock round
+            self.pool.abandon(misfits)
+        positions = np.flatnonzero(reserved & fits)  # the values copied into their slots
+        filled = slots[positions]
+        codes = np.where(reserved, np.where(fits, _OK, _ERROR), np.where(slots == SLOT_STORED, _EXISTS, _NO_SPACE))
         try:
             # The whole batch at once: a large one is shared by several threads.
-            copy_many(*values.gather_copies(positions, [self.pool.slot_address(s) for s in filled]))
+            copy_many(*values.gather_copies(positions, self.pool.slot_address(0) + filled * self.pool.slot_size))
         except BaseException:
             self.pool.abandon(filled)  # or the reserved slots stay WRITING, lost for good
             raise
-        for i, stored in zip(positions, self.pool.commit(filled)):
-            if not stored:  # another writer (or an earlier copy in this batch) got there first
-                out[i] = Status.EXISTS
-        return out
+        # Another writer (or an earlier copy in this batch) got there first.
+        codes[positions[~np.asarray(self.pool.commit(filled), dtype=bool)]] = _EXISTS
+        return _PUT_STATUSES[codes].tolist()
 
     def batch_get(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Status]:
         self._check_open()

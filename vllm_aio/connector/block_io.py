@@ -40,6 +40,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm_aio.backends import Backend, Status
@@ -49,6 +50,7 @@ from vllm_aio.connector.staging import Slice, StagingBuffer, even_ranges
 from vllm_aio.device import Device
 from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import HASH_PREFIX_BYTES, HEADER_BYTES, EntryHeader, describe
+from vllm_aio.pool.host_pool import SLOT_STORED
 from vllm_aio.pool.keys import Unit, block_key
 
 logger = get_logger(__name__)
@@ -367,7 +369,7 @@ class BlockIO:
         slots are published once the payload copies into them are too.
         """
         statuses: list[Status] = []
-        filled: list[tuple[list[int], list[int], list[BlockRef]]] = []  # per chunk: positions, slots, blocks
+        filled: list[tuple[list[int], np.ndarray, list[BlockRef]]] = []  # per chunk: positions, slots, blocks
         gathered = written = None
         try:
             with self.device.on(self._stream):
@@ -376,12 +378,14 @@ class BlockIO:
                     if not handoff.held():
                         break
                     chunk = blocks[start:end]
-                    slots = self._direct.reserve(self.keys(chunk, unit), retention)
-                    statuses += [Status.EXISTS if s is None else Status.NO_SPACE for s in slots]
-                    fill = [i for i, s in enumerate(slots) if s is not None and s >= 0]
-                    if fill:
-                        filled.append(([start + i for i in fill], [slots[i] for i in fill], [chunk[i] for i in fill]))
-                        gathered = self._direct.copy_out([chunk[i].block_id for i in fill], filled[-1][1], unit.layers)
+                    slots = self._direct.reserve(self._header.namespace_digest, self._header.shard, unit,
+                                                 [b.block_hash for b in chunk], retention)
+                    statuses += [Status.EXISTS if s == SLOT_STORED else Status.NO_SPACE for s in slots.tolist()]
+                    fill = np.flatnonzero(slots >= 0)
+                    if len(fill):
+                        picked = [chunk[i] for i in fill.tolist()]
+                        filled.append(((start + fill).tolist(), slots[fill], picked))
+                        gathered = self._direct.copy_out([b.block_id for b in picked], slots[fill], unit.layers)
                 written = self.device.record(self._stream)
             self.device.synchronize(gathered)  # the cache blocks may be reused from here on
         except BaseException:

@@ -149,11 +149,14 @@ class MappedSlots:
         return statuses, SlotLoad(ok, slots[ok], versions[ok], done)
 
     # ---- saves -------------------------------------------------------------
-    def reserve(self, keys: Sequence[str], retention: int = 0) -> list[int | None]:
-        """Per key: a slot to fill, None if stored already, -1 if the pool has no room."""
-        return self.store.reserve(keys, retention)
+    def reserve(
+        self, namespace_digest: str, shard: str, unit: Unit, hashes: Sequence[bytes], retention: int = 0
+    ) -> np.ndarray:
+        """Per block hash: a slot to fill, ``SLOT_STORED`` if stored already, ``SLOT_NO_ROOM`` if
+        the pool has no room. No key string is built: the ids come from the hashes, as for loads."""
+        return self.store.reserve_blocks(namespace_digest, shard, unit.tag, hashes, retention)
 
-    def copy_out(self, block_ids: Sequence[int], slots: Sequence[int], layers: Sequence[int]) -> torch.Event | None:
+    def copy_out(self, block_ids: Sequence[int], slots: np.ndarray, layers: Sequence[int]) -> torch.Event | None:
         """Cache blocks -> their reserved slots' payloads, on the current stream.
 
         Returns the event after the gather out of the cache (the blocks may be
@@ -162,15 +165,15 @@ class MappedSlots:
         """
         return self._copies.from_cache(list(block_ids), list(slots), layers)
 
-    def publish(self, slots: Sequence[int], headers: Sequence[bytes], written: torch.Event | None) -> list[bool]:
+    def publish(self, slots: np.ndarray, headers: Sequence[bytes], written: torch.Event | None) -> list[bool]:
         """Once the payload copies behind ``written`` are done: headers in, slots visible."""
         Device.synchronize(written)
-        if slots:
+        if len(slots):
             raw = np.frombuffer(b"".join(headers), dtype=np.uint8).reshape(-1, HEADER_BYTES)
-            self._host_rows[list(slots), :HEADER_BYTES] = raw
+            self._host_rows[np.asarray(slots, dtype=np.int64), :HEADER_BYTES] = raw
         return self.store.commit(slots)
 
-    def abandon(self, slots: Sequence[int], written: torch.Event | None) -> None:
+    def abandon(self, slots: np.ndarray, written: torch.Event | None) -> None:
         """Give reserved slots back, after the copies into them have finished."""
         Device.synchronize(written)
         self.store.abandon(slots)
