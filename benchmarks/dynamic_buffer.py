@@ -21,7 +21,10 @@ H2D and D2H streams are separate (high priority), so loads and write-backs may
 use both directions of the link at once. Blocks: prefill loads the cached
 prefix's blocks (none without a prefix) and writes back all new blocks;
 decode loads the whole context (every block of every request, each step) and
-writes back one block per request (the one holding the new token).
+writes back one block per request (the one holding the new token). A batch's
+block ids are a random permutation, so its blocks are scattered anyway; rows
+marked "every other block free" (``/frag``) spread them over twice the ids, so
+no two are adjacent, as in a cache whose requests came and went.
 
 Model: Llama-3-8B's real per-layer sizes (32 layers, 8 KV heads x 128, bf16,
 block 16 tokens: 64 KiB per block per layer for K+V) in a synthetic layer:
@@ -139,11 +142,21 @@ class Batch:
     reqs: int
     new: int  # new tokens per request (decode: 1)
     context: int  # prefill: cached prefix tokens per request; decode: context tokens, the new one included
+    # Every other block id free (``/frag`` in --prefill/--decode), as in a cache
+    # whose requests came and went: the batch's blocks are scattered over twice
+    # as many ids, and no two are adjacent.
+    fragmented: bool = False
 
     def label(self) -> str:
+        frag = ", every other block free" if self.fragmented else ""
         if self.phase == "decode":
-            return f"{self.reqs} x {self.context} ctx"
-        return f"{self.reqs} x {self.new} new" + (f" after {self.context}" if self.context else "")
+            return f"{self.reqs} x {self.context} ctx{frag}"
+        return f"{self.reqs} x {self.new} new" + (f" after {self.context}" if self.context else "") + frag
+
+    @property
+    def id_spread(self) -> int:
+        """Block ids per block of the batch."""
+        return 2 if self.fragmented else 1
 
 
 def bidirectional_bandwidth(acc: Accel, host: torch.Tensor, nbytes: int, streams, reps: int = 5) -> float:
@@ -203,7 +216,7 @@ class Step:
         else:
             per_req, load_r, new_r = (batch.context + batch.new) // bs, batch.context // bs, batch.new // bs
         self.per_req = per_req
-        ids = torch.randperm(R * per_req, generator=gen).view(R, per_req)
+        ids = (torch.randperm(R * per_req, generator=gen) * batch.id_spread).view(R, per_req)
         self.req_ids = [ids[r].to(acc.device) for r in range(R)]
         self.all_ids = ids.flatten().to(acc.device)
         self.load_ids = ids[:, :load_r].flatten().to(acc.device)
@@ -224,7 +237,8 @@ class Step:
             news[-1].zero_()
         self.host_load = [loads[layer % self.host_regions] for layer in range(m.layers)]
         self.host_new = [news[layer % self.host_regions] for layer in range(m.layers)]
-        self.buffers = [torch.zeros(R * per_req, 2, *shape, dtype=DTYPE, device=acc.device) for _ in range(buffers)]
+        self.buffers = [torch.zeros(R * per_req * batch.id_spread, 2, *shape, dtype=DTYPE, device=acc.device)
+                        for _ in range(buffers)]
         self.load_scratch = torch.empty(self.n_load, 2, *shape, dtype=DTYPE, device=acc.device)
         self.new_scratch = torch.empty(self.n_new, 2, *shape, dtype=DTYPE, device=acc.device)
         self.h2d, self.d2h = acc.stream(priority=-1), acc.stream(priority=-1)
@@ -426,7 +440,7 @@ def _pow2_layers(layer_bytes: int, layers: int) -> int:
 
 def real_host_bytes(m: Model, b: Batch) -> int:
     per_req = (b.context if b.phase == "decode" else b.context + b.new) // m.block_size
-    return m.layers * b.reqs * per_req * m.block_bytes
+    return m.layers * b.reqs * per_req * b.id_spread * m.block_bytes
 
 
 # ---------------------------------------------------------------- measuring
@@ -558,24 +572,29 @@ def print_real_table(rows: list[dict], real_s: list[int]) -> None:
 
 
 def parse_batches(text: str, phase: str) -> list[Batch]:
-    """prefill: ``reqs x new [+prefix]``; decode: ``reqs x context``, comma-separated."""
+    """prefill: ``reqs x new [+prefix] [/frag]``; decode: ``reqs x context [/frag]``, comma-separated."""
     out = []
     for item in filter(None, text.split(",")):
+        item, _, frag = item.partition("/")
+        if frag not in ("", "frag"):
+            raise SystemExit(f"{item}/{frag}: the only suffix is /frag")
         reqs, rest = item.split("x")
         if phase == "decode":
-            out.append(Batch("decode", int(reqs), 1, int(rest)))
+            out.append(Batch("decode", int(reqs), 1, int(rest), frag == "frag"))
         else:
             new, _, prefix = rest.partition("+")
-            out.append(Batch("prefill", int(reqs), int(new), int(prefix or 0)))
+            out.append(Batch("prefill", int(reqs), int(new), int(prefix or 0), frag == "frag"))
     return out
 
 
 def main() -> int:
     parser = arguments(__doc__, "dynamic_buffer")
     parser.add_argument("--device", default="auto", help=Accel.HELP)
-    parser.add_argument("--prefill", default="1x8192,4x8192,1x8192+32768,1x2048+32768,1x1024+16384,4x512+16384",
-                        help="prefill batches: REQSxNEW[+CACHED_PREFIX], comma-separated")
-    parser.add_argument("--decode", default="32x2048,256x2048,32x16384", help="decode batches: REQSxCONTEXT")
+    parser.add_argument("--prefill", default="1x8192,4x8192,1x8192+32768,1x2048+32768,1x1024+16384,4x512+16384,"
+                        "1x1024+16384/frag,4x512+16384/frag",
+                        help="prefill batches: REQSxNEW[+CACHED_PREFIX][/frag] (/frag: every other block id free)")
+    parser.add_argument("--decode", default="32x2048,256x2048,32x16384,32x2048/frag",
+                        help="decode batches: REQSxCONTEXT[/frag]")
     parser.add_argument("--check", default="prefill:1x1024+2048,decode:8x1024", help="small batches to check")
     parser.add_argument("--s-values", default="2,3,4", help="buffer counts S to compare")
     parser.add_argument("--repeats", type=int, default=5)
@@ -598,7 +617,8 @@ def main() -> int:
     acc = Accel(args.device)
     m = TINY if args.quick else LLAMA3_8B
     if args.quick:
-        args.prefill, args.decode, args.check = "1x128,2x64+256", "4x256", "prefill:1x64+128,decode:2x128"
+        args.prefill, args.decode = "1x128,2x64+256,2x64+256/frag", "4x256"
+        args.check = "prefill:1x64+128/frag,decode:2x128"
         args.host_gib, args.s_values = 1 / 16, "2,3"
         args.repeats, args.decode_repeats = min(args.repeats, 2), min(args.decode_repeats, 2)
         args.real_staging_mib = min(args.real_staging_mib, 16)

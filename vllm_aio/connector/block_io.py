@@ -386,11 +386,11 @@ class BlockIO:
                         picked = [chunk[i] for i in fill.tolist()]
                         filled.append(((start + fill).tolist(), slots[fill], picked))
                         gathered = self._direct.copy_out([b.block_id for b in picked], slots[fill], unit.layers)
-                written = self.device.record(self._stream)
+                written = self._direct.written()
             self.device.synchronize(gathered)  # the cache blocks may be reused from here on
         except BaseException:
             for _, slots, _ in filled:  # after the copies into them, whatever they reached
-                self._direct.abandon(slots, self.device.record(self._stream))
+                self._direct.abandon(slots, self._direct.written())
             raise
         finally:
             keep = handoff.copied()

@@ -157,13 +157,17 @@ class MappedSlots:
         return self.store.reserve_blocks(namespace_digest, shard, unit.tag, hashes, retention)
 
     def copy_out(self, block_ids: Sequence[int], slots: np.ndarray, layers: Sequence[int]) -> torch.Event | None:
-        """Cache blocks -> their reserved slots' payloads, on the current stream.
+        """Cache blocks -> their reserved slots' payloads: gathered on the current stream,
+        written across the link on a stream of its own (``written`` says when).
 
         Returns the event after the gather out of the cache (the blocks may be
-        reused then; None: they may already); the payloads are in the slots
-        once the stream's work enqueued so far has completed.
+        reused then; None: they may already).
         """
         return self._copies.from_cache(list(block_ids), list(slots), layers)
+
+    def written(self) -> torch.Event | None:
+        """An event after every slot write ``copy_out`` has enqueued so far (None: done already)."""
+        return self._copies.written()
 
     def publish(self, slots: np.ndarray, headers: Sequence[bytes], written: torch.Event | None) -> list[bool]:
         """Once the payload copies behind ``written`` are done: headers in, slots visible."""
@@ -200,6 +204,11 @@ class _KernelCopies:
         self._layout = layout
         self._device = device
         self._scatter_stream = device.new_stream()
+        # Saves write the slots on a stream of their own, so the next piece's
+        # gather out of the cache (device memory) overlaps this one's write
+        # across the link: on the H200 they ran one after the other, 2.5 + 10.6 ms
+        # for 256 whole blocks.
+        self._write_stream = device.new_stream()
 
     def to_cache(self, slots: np.ndarray, plan: LoadPlan, layers: Sequence[int]) -> torch.Event:
         """Gather ``slots`` across the link, then scatter row ``plan.row_of[j]`` into block ``plan.block_ids[j]``."""
@@ -232,13 +241,19 @@ class _KernelCopies:
         self._layout.gather(index[:n], layers, scratch.view(torch.uint8)[:, HEADER_BYTES:])
         gathered = self._device.record()
         runs = _runs(np.asarray(slots, dtype=np.int64), self._slot_size)
-        if runs is None:
-            payload = slice(HEADER_BYTES // _WORD, None)
-            self._rows[:, payload].index_copy_(0, index[n:], scratch[:, payload])  # across the link
-        else:  # whole rows: the headers (scratch bytes here) are written by ``publish`` afterwards
-            for start, end, slot in runs:
-                self._host[slot : slot + end - start].copy_(scratch[start:end], non_blocking=True)
+        with self._device.on(self._write_stream):
+            self._device.wait(gathered, self._write_stream)
+            if runs is None:
+                payload = slice(HEADER_BYTES // _WORD, None)
+                self._rows[:, payload].index_copy_(0, index[n:], scratch[:, payload])  # across the link
+            else:  # whole rows: the headers (scratch bytes here) are written by ``publish`` afterwards
+                for start, end, slot in runs:
+                    self._host[slot : slot + end - start].copy_(scratch[start:end], non_blocking=True)
+            _keep_until_done(scratch, index, stream=self._write_stream)
         return gathered
+
+    def written(self) -> torch.Event | None:
+        return self._device.record(self._write_stream)
 
 
 class _HostCopies:
@@ -270,6 +285,10 @@ class _HostCopies:
         self._check(src)
         for base, stride, size, offset in self._planes(layers):
             copy_rows(self._base + offset, self._slot_size, dst, base, stride, src, size)
+
+    @staticmethod
+    def written() -> None:
+        return None  # copy_rows has returned: the slots hold the bytes
 
     def _check(self, block_ids: np.ndarray) -> None:
         # copy_rows does not check bounds: a bad block id must not become a wild write.
