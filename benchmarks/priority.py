@@ -11,7 +11,10 @@ system runs in a fresh engine with a fresh pool:
 * ``priority``: ``priority_cutoffs: [0]``: the high-priority requests' blocks
   (vLLM priority 0) are class 1, evicted only when no class-0 block is left
   (embedded pool) or soft-pinned (``--backend mooncake``: a real
-  ``mooncake_master`` and memory owner on loopback, one per system).
+  ``mooncake_master`` and memory owner on loopback, one per system);
+* Mooncake only: ``priority, pins kept`` (the master never evicts soft-pinned
+  values) and ``priority, pins kept, eviction headroom`` (its eviction also
+  starts earlier and frees more: see ``MOONCAKE_SYSTEMS``).
 
 The hit rate of a request is the share of its prefix that came from the pool,
 counted only for requests whose prefix an earlier round stored (the first
@@ -43,8 +46,15 @@ SUFFIX_TOKENS = 16  # a partial block: never stored, makes every prompt unique
 # system -> (priority_cutoffs, mooncake_master flags)
 SYSTEMS = {"lru": ([], ()), "priority": ([HIGH], ())}
 # Mooncake's master may evict soft-pinned values once nothing else is left
-# (its default); this one never does.
-MOONCAKE_SYSTEMS = {"priority, pins kept": ([HIGH], ("--allow_evict_soft_pinned_objects=false",))}
+# (its default); these never do. The master evicts only once its segments are
+# --eviction_high_watermark_ratio full (0.9), and then --eviction_ratio of them
+# (0.05): a put arriving meanwhile is refused for space whatever its class, so a
+# high-priority prefix could take several sightings to be stored at all. With
+# eviction starting at 70% and freeing 20%, puts find room.
+PINS_KEPT = ("--allow_evict_soft_pinned_objects=false",)
+HEADROOM = ("--eviction_high_watermark_ratio=0.7", "--eviction_ratio=0.2")
+MOONCAKE_SYSTEMS = {"priority, pins kept": ([HIGH], PINS_KEPT),
+                    "priority, pins kept, eviction headroom": ([HIGH], PINS_KEPT + HEADROOM)}
 
 
 def traffic(rounds: int, seed: int = 5) -> list[list[tuple[int, str, int]]]:
