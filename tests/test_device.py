@@ -9,6 +9,8 @@ import mmap
 import pytest
 import torch
 
+from devices import CUDA as CUDA_DEVICES
+from devices import params
 from vllm_aio import device as device_module
 from vllm_aio.device import Device
 
@@ -125,3 +127,29 @@ def registered(t: torch.Tensor) -> bool:
     torch.cuda.init()  # the primary context, current on this thread
     flags = ctypes.c_uint()
     return ctypes.CDLL("libcuda.so.1").cuMemHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(t.data_ptr())) == 0
+
+
+@pytest.mark.parametrize("name", params("cpu", *CUDA_DEVICES))
+@pytest.mark.parametrize(("dst_indexed", "src_indexed"), [(True, True), (True, False), (False, True)])
+def test_copy_rows_moves_indexed_rows_between_mapped_host_memory_and_the_device(name, dst_indexed, src_indexed):
+    device = Device(torch.device(name))
+    pages = mmap.mmap(-1, 64 * 1040 * 8)  # 64 rows of 1,040 words: a width that is no multiple of the kernel's block
+    mapped = device.map_host(ctypes.addressof(ctypes.c_char.from_buffer(pages)), len(pages))
+    host = mapped.tensor.view(torch.int64).view(64, 1040)
+    try:
+        host.copy_(torch.arange(64 * 1040, dtype=torch.int64).view(64, 1040))
+        on_device = torch.full((32, 1048), -1, dtype=torch.int64, device=device.torch_device)
+        dst = on_device[:, 8:]  # strided rows, as the slots' payloads behind their headers
+        src_ids, dst_ids = torch.randperm(64)[:32], torch.randperm(32)
+        device.copy_rows(dst, dst_ids.to(name) if dst_indexed else None, host, src_ids.to(name) if src_indexed else None)
+        device.synchronize(device.record())
+        got = dst.cpu()[dst_ids if dst_indexed else torch.arange(32)]
+        want = host.cpu()[src_ids if src_indexed else torch.arange(32)]
+        assert torch.equal(got, want)
+        assert (on_device[:, :8] == -1).all()  # nothing outside the rows' columns
+        device.copy_rows(host, src_ids.to(name), dst, None)  # and back, into the mapped rows
+        device.synchronize(device.record())
+        assert torch.equal(host.cpu()[src_ids], dst.cpu())
+    finally:
+        del host
+        mapped.release()

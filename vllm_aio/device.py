@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_aio import link_copy
 from vllm_aio.log import get_logger
 
 if TYPE_CHECKING:
@@ -124,6 +125,27 @@ class Device:
         if self.torch_device.type == "cuda" and nbytes:
             return _map_cuda(address, nbytes, self.torch_device)
         return None
+
+    def copy_rows(self, dst: torch.Tensor, dst_index: torch.Tensor | None, src: torch.Tensor,
+                  src_index: torch.Tensor | None) -> None:
+        """``dst[dst_index[r]] = src[src_index[r]]`` for every r (an index None: r itself), on the
+        current stream; for copies where one side is mapped host memory (``map_host``, ``HostMemory.device_view``).
+
+        CUDA with Triton: a kernel of a few programs (``link_copy.py``), which
+        waits on the link without holding the SMs the forward computes on;
+        elsewhere torch's index kernels.
+        """
+        if self.torch_device.type == "cuda" and link_copy.available():
+            link_copy.copy_rows(dst, dst_index, src, src_index)
+            return
+        if src_index is not None:
+            rows = src.index_select(0, src_index)
+        else:
+            rows = src if dst_index is None else src[: len(dst_index)]
+        if dst_index is None:
+            dst[: len(rows)].copy_(rows)
+        else:
+            dst.index_copy_(0, dst_index, rows)
 
     def indices(self, values: "list[int] | np.ndarray") -> torch.Tensor:
         """``values`` as an int64 tensor on the device, copied without blocking the host.

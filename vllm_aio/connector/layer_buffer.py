@@ -202,10 +202,10 @@ class LayerBuffer:
             for start, stop in self._resident.runs:
                 for d, h in zip(dev, host):
                     d.blocks[start:stop].copy_(h.blocks[start:stop], non_blocking=True)
-            if self._mapped_layout is not None:  # scattered blocks: kernels read the host copy
+            if self._mapped_layout is not None:  # scattered blocks: a kernel reads the host copy (Device.copy_rows)
                 for chunk in self._resident.chunks:
                     for d, m in zip(dev, self._mapped_layout.planes[layer]):
-                        _words(d.blocks).index_copy_(0, chunk.device_ids, _words(m.blocks).index_select(0, chunk.device_ids))
+                        self.device.copy_rows(_words(d.blocks), chunk.device_ids, _words(m.blocks), chunk.device_ids)
                 self._loaded[layer] = self.device.record(self._stream)
                 return
         for chunk in self._resident.chunks:
@@ -234,10 +234,10 @@ class LayerBuffer:
             for start, stop in self._written.runs:
                 for d, h in zip(dev, host):
                     h.blocks[start:stop].copy_(d.blocks[start:stop], non_blocking=True)
-            if self._mapped_layout is not None:  # scattered blocks: kernels write the host copy
+            if self._mapped_layout is not None:  # scattered blocks: a kernel writes the host copy
                 for chunk in self._written.chunks:
                     for d, m in zip(dev, self._mapped_layout.planes[layer]):
-                        _words(m.blocks).index_copy_(0, chunk.device_ids, _words(d.blocks).index_select(0, chunk.device_ids))
+                        self.device.copy_rows(_words(m.blocks), chunk.device_ids, _words(d.blocks), chunk.device_ids)
                 return
         for chunk in self._written.chunks:
             n = len(chunk.ids)

@@ -189,11 +189,12 @@ class _KernelCopies:
     Between the slots and a device scratch, a batch whose slots lie in long
     runs (a batch saved together got consecutive slots) moves by DMA, one
     copy per run, on the copy engines; scattered slots move with one gather
-    or scatter kernel. A kernel reading or writing host memory holds SMs for
-    as long as the link takes: on the H200 the layerwise pipeline ran the
-    forward and such kernels one after the other (1.5-2x the ideal), while
-    DMA overlaps the forward. The scratch <-> paged cache part is always a
-    kernel (device memory only, short).
+    or scatter kernel (``Device.copy_rows``). torch's index kernels reading
+    host memory held every SM for as long as the link took: on the H200 the
+    layerwise pipeline ran the forward and them one after the other (1.5-2x
+    the ideal); ``copy_rows`` runs a few programs that leave the SMs to the
+    forward (``link_copy.py``), and DMA none. The scratch <-> paged cache part
+    is always a kernel (device memory only, short).
     """
 
     def __init__(self, mapped: MappedHost, store: SlotStore, layout: BlockLayout, device: Device) -> None:
@@ -218,7 +219,8 @@ class _KernelCopies:
         runs = _runs(slots, self._slot_size)
         if runs is None:
             index = self._device.indices(slots)
-            rows = self._rows.index_select(0, index)  # across the link
+            rows = torch.empty((n, self._rows.shape[1]), dtype=torch.int64, device=self._rows.device)
+            self._device.copy_rows(rows, None, self._rows, index)  # across the link
         else:
             index = rows = torch.empty((n, self._rows.shape[1]), dtype=torch.int64, device=self._rows.device)
             for start, end, slot in runs:  # across the link, by DMA
@@ -245,7 +247,7 @@ class _KernelCopies:
             self._device.wait(gathered, self._write_stream)
             if runs is None:
                 payload = slice(HEADER_BYTES // _WORD, None)
-                self._rows[:, payload].index_copy_(0, index[n:], scratch[:, payload])  # across the link
+                self._device.copy_rows(self._rows[:, payload], index[n:], scratch[:, payload], None)  # across the link
             else:  # whole rows: the headers (scratch bytes here) are written by ``publish`` afterwards
                 for start, end, slot in runs:
                     self._host[slot : slot + end - start].copy_(scratch[start:end], non_blocking=True)
