@@ -179,15 +179,34 @@ PROMPTS = {
 
 
 @pytest.fixture(scope="session")
-def baseline(tiny_model: Path, tmp_path_factory) -> dict[str, list[dict]]:
+def baseline(tiny_model: Path, tmp_path_factory, worker_id: str) -> dict[str, list[dict]]:
     """What vLLM generates with no connector, per prompt set.
 
     Each set runs as a batch of its own, as in the tests: batch composition
     changes chunking and thus float rounding, which can flip a near-tie token.
+    Computed once per test run: test files on other xdist workers read it.
     """
-    names = [n for n in PROMPTS if n != "tp2"]
-    rounds = Engine(tiny_model, tmp_path_factory.mktemp("baseline")).run([PROMPTS[n] for n in names])
-    return dict(zip(names, rounds))
+    def compute() -> dict[str, list[dict]]:
+        names = [n for n in PROMPTS if n != "tp2"]
+        rounds = Engine(tiny_model, tmp_path_factory.mktemp("baseline")).run([PROMPTS[n] for n in names])
+        return dict(zip(names, rounds))
+
+    return once_per_run("baseline", compute, tmp_path_factory, worker_id)
+
+
+def once_per_run(name: str, compute: Callable[[], dict], tmp_path_factory, worker_id: str) -> dict:
+    """``compute()`` once for all xdist workers of this run (under a file lock, kept as JSON in
+    their shared temporary directory), or just once without xdist."""
+    if worker_id == "master":
+        return compute()
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # the run's directory; each worker's is inside it
+    path = shared / f"{name}.json"
+    with FileLock(str(path) + ".lock"):
+        if not path.exists():
+            path.write_text(json.dumps(compute()))
+        return json.loads(path.read_text())
 
 
 def assert_output_varies(results: list[dict]) -> None:

@@ -28,6 +28,7 @@ import requests
 from conftest import LOGPROB_TOLERANCE, ROOT, aio_config, make_prompts, require
 from servers import Servers
 from vllm_aio.migration.driver import Instance, MigrationError, generate_migrating, move_kv
+from vllm_aio.migration.transport import late_write_bound
 
 WATCHDOG_S = 6.0
 # The request must still be decoding on the source while its KV moves (one that
@@ -47,14 +48,19 @@ def cluster(tiny_model, tmp_path_factory):
     require("vllm")
     require("mooncake.engine")
     servers = Servers(tiny_model, tmp_path_factory.mktemp("migration"))
-    try:
-        yield servers.start({
-            "a": migrating(),
-            "b": migrating(local_pool_name=B_POOL, migration_watchdog_timeout=WATCHDOG_S),
-            "c": migrating(),
-        })
-    finally:
-        servers.close()
+    with pytest.MonkeyPatch.context() as env:
+        # TransferEngine's wait for a write (transport.py sets 5 s unless told): with another
+        # test file's engines on CI's two cores, a target once took longer than 5 s to take
+        # 0.9 MiB and the move failed. The servers and late_write_bound() here read it.
+        env.setenv("MC_TRANSFER_TIMEOUT", "15")
+        try:
+            yield servers.start({
+                "a": migrating(),
+                "b": migrating(local_pool_name=B_POOL, migration_watchdog_timeout=WATCHDOG_S),
+                "c": migrating(),
+            })
+        finally:
+            servers.close()
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +255,7 @@ def test_source_dying_before_commit_frees_the_reservation_by_the_watchdog(cluste
                                      "hash_seed": src["hash_seed"], "shared_store": None})
     assert writing_slots(b) > before
     cluster["a"].kill()  # the source dies: no transfer, no commit, no abort
-    deadline = time.monotonic() + WATCHDOG_S + 15  # + the late-write grace
+    deadline = time.monotonic() + WATCHDOG_S + late_write_bound() + 5  # the watchdog, the late-write grace
     while writing_slots(b) > before and time.monotonic() < deadline:
         time.sleep(0.25)
     assert writing_slots(b) == before
