@@ -28,10 +28,7 @@ import pytest
 from conftest import ROOT
 
 BENCHMARKS = ROOT / "benchmarks"
-# Per script, from its start: a guard against hangs. The engine scripts' quick runs take
-# 1-2 minutes alone; beside another test file's engines (``make test`` runs two files at
-# once on two cores) their start-up alone took 150 s.
-TIMEOUT_S = 600
+TIMEOUT_S = 300  # per script, from its start (a guard against hangs)
 # script -> (what it needs beyond torch, the first column of a table it prints)
 SCRIPTS = {
     "block_io_device": ((), "case"),
