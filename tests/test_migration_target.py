@@ -199,3 +199,26 @@ def test_answers_are_forgotten_after_a_while(target, clock):
     with pytest.raises(MigrationRefused) as err:
         target.reservation(res.migration_id)
     assert err.value.status == 404
+
+
+def test_an_expired_migration_answers_410_until_a_timeout_after_its_slots_are_back_in_the_pool(pool, clock):
+    target = MigrationTarget(pool, TIMEOUT, 5 * TIMEOUT, clock)  # a late-write grace longer than the memory
+    try:
+        res = allocate(target, blocks(1))
+        clock.now += TIMEOUT + 4 * TIMEOUT  # expired, slots still held: past 3 timeouts from the allocation
+        target.sweep()
+        assert pool.writing_slots() > 0
+        with pytest.raises(MigrationRefused) as err:
+            target.reservation(res.migration_id)
+        assert err.value.status == 410
+        clock.now += TIMEOUT
+        target.sweep()
+        assert pool.writing_slots() == 0
+        for status in (410, 404):  # back in the pool: still known for one timeout
+            with pytest.raises(MigrationRefused) as err:
+                target.reservation(res.migration_id)
+            assert err.value.status == status
+            clock.now += TIMEOUT
+            target.sweep()
+    finally:
+        target.close()

@@ -39,9 +39,9 @@ logger = get_logger(__name__)
 # At most this share of the pool's slots is reserved by migrations at once: a
 # burst of incoming migrations must not evict everything the instance serves from.
 MAX_RESERVED_SHARE = 0.5
-# Answers are remembered for this many timeouts after the allocation, and at
-# least until an expired reservation's slots are back in the pool: a source
-# asking meanwhile is told the migration expired (410), not that it is unknown.
+# Answers are remembered for this many timeouts after the allocation, and for
+# one timeout more after an expired reservation's slots are back in the pool: a
+# source asking until then is told the migration expired (410), not that it is unknown.
 _REMEMBER_TIMEOUTS = 3
 
 
@@ -210,7 +210,8 @@ class MigrationTarget:
             for res in list(self._table.values()):
                 if res.state == "reserved" and now >= res.expires:
                     self._expire(res)
-                if now >= max(res.created + _REMEMBER_TIMEOUTS * self.timeout, res.expires + self._grace):
+                if now >= max(res.created + _REMEMBER_TIMEOUTS * self.timeout,
+                              res.expires + self._grace + self.timeout):
                     del self._table[res.migration_id]
             due = [slots for at, slots in self._held if now >= at]
             self._held = [(at, slots) for at, slots in self._held if now < at]
