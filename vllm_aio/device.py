@@ -138,6 +138,9 @@ class Device:
         if self.torch_device.type == "cuda" and link_copy.available():
             link_copy.copy_rows(dst, dst_index, src, src_index)
             return
+        if dst_index is None and src_index is not None and dst.is_contiguous():
+            torch.index_select(src, 0, src_index, out=dst[: len(src_index)])
+            return
         if src_index is not None:
             rows = src.index_select(0, src_index)
         else:

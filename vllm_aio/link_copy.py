@@ -64,15 +64,16 @@ def copy_rows(dst: torch.Tensor, dst_index: torch.Tensor | None, src: torch.Tens
     """``dst[dst_index[r]] = src[src_index[r]]`` for every r (an index None: r itself),
     on the current stream. Rows are the first dimension of 2-D tensors of one dtype
     whose columns are contiguous; the index tensors are int64 on the device."""
-    rows = len(dst_index if dst_index is not None else src_index if src_index is not None else dst)
+    index = dst_index if dst_index is not None else src_index
+    rows = len(index) if index is not None else len(dst)
     if rows == 0:
         return
     assert dst.dim() == src.dim() == 2 and dst.dtype == src.dtype and dst.shape[1] == src.shape[1]
     assert dst.stride(1) == src.stride(1) == 1, "columns must be contiguous"
-    placeholder = dst_index if dst_index is not None else src_index if src_index is not None else dst
+    unread = index if index is not None else dst  # passed for an index the kernel does not read
     _kernel()[(min(PROGRAMS, rows),)](
-        dst, dst.stride(0), placeholder if dst_index is None else dst_index,
-        src, src.stride(0), placeholder if src_index is None else src_index,
+        dst, dst.stride(0), unread if dst_index is None else dst_index,
+        src, src.stride(0), unread if src_index is None else src_index,
         rows, dst.shape[1], DST_INDEXED=dst_index is not None, SRC_INDEXED=src_index is not None, BLOCK=BLOCK,
         num_warps=8,
     )

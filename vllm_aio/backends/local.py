@@ -104,7 +104,7 @@ class LocalBackend(Backend):
         codes = np.where(reserved, np.where(fits, _OK, _ERROR), np.where(slots == SLOT_STORED, _EXISTS, _NO_SPACE))
         try:
             # The whole batch at once: a large one is shared by several threads.
-            copy_many(*values.gather_copies(positions, self.pool.slot_address(0) + filled * self.pool.slot_size))
+            copy_many(*values.gather_copies(positions, self.pool.slot_address(filled)))
         except BaseException:
             self.pool.abandon(filled)  # or the reserved slots stay WRITING, lost for good
             raise

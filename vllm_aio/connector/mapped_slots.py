@@ -163,7 +163,8 @@ class MappedSlots:
         Returns the event after the gather out of the cache (the blocks may be
         reused then; None: they may already).
         """
-        return self._copies.from_cache(list(block_ids), list(slots), layers)
+        return self._copies.from_cache(np.asarray(block_ids, dtype=np.int64), np.asarray(slots, dtype=np.int64),
+                                       layers)
 
     def written(self) -> torch.Event | None:
         """An event after every slot write ``copy_out`` has enqueued so far (None: done already)."""
@@ -217,12 +218,11 @@ class _KernelCopies:
         if plan.device_index is None:  # once per batch: the same blocks for every layer
             plan.device_index = self._device.indices(np.concatenate((plan.block_ids, plan.row_of)))
         runs = _runs(slots, self._slot_size)
+        index = rows = torch.empty((n, self._rows.shape[1]), dtype=torch.int64, device=self._rows.device)
         if runs is None:
             index = self._device.indices(slots)
-            rows = torch.empty((n, self._rows.shape[1]), dtype=torch.int64, device=self._rows.device)
             self._device.copy_rows(rows, None, self._rows, index)  # across the link
         else:
-            index = rows = torch.empty((n, self._rows.shape[1]), dtype=torch.int64, device=self._rows.device)
             for start, end, slot in runs:  # across the link, by DMA
                 rows[start:end].copy_(self._host[slot : slot + end - start], non_blocking=True)
         gathered = self._device.record()
@@ -236,13 +236,13 @@ class _KernelCopies:
             _keep_until_done(rows, index, plan.device_index, stream=self._scatter_stream)
             return self._device.record(self._scatter_stream)
 
-    def from_cache(self, block_ids: list[int], slots: list[int], layers: Sequence[int]) -> torch.Event | None:
+    def from_cache(self, block_ids: np.ndarray, slots: np.ndarray, layers: Sequence[int]) -> torch.Event | None:
         n = len(block_ids)
-        index = self._device.indices(np.asarray(block_ids + slots, dtype=np.int64))
+        index = self._device.indices(np.concatenate((block_ids, slots)))
         scratch = self._device.empty(n * self._slot_size).view(torch.int64).view(n, -1)
         self._layout.gather(index[:n], layers, scratch.view(torch.uint8)[:, HEADER_BYTES:])
         gathered = self._device.record()
-        runs = _runs(np.asarray(slots, dtype=np.int64), self._slot_size)
+        runs = _runs(slots, self._slot_size)
         with self._device.on(self._write_stream):
             self._device.wait(gathered, self._write_stream)
             if runs is None:
@@ -281,12 +281,10 @@ class _HostCopies:
         for base, stride, size, offset in self._planes(layers):
             copy_rows(base, stride, dst, self._base + offset, self._slot_size, src, size)
 
-    def from_cache(self, block_ids: list[int], slots: list[int], layers: Sequence[int]) -> None:
-        src = np.asarray(block_ids, dtype=np.int64)
-        dst = np.asarray(slots, dtype=np.int64)
-        self._check(src)
+    def from_cache(self, block_ids: np.ndarray, slots: np.ndarray, layers: Sequence[int]) -> None:
+        self._check(block_ids)
         for base, stride, size, offset in self._planes(layers):
-            copy_rows(self._base + offset, self._slot_size, dst, base, stride, src, size)
+            copy_rows(self._base + offset, self._slot_size, slots, base, stride, block_ids, size)
 
     @staticmethod
     def written() -> None:

@@ -788,7 +788,8 @@ class SharedHostPool:
         """(address, bytes) of the slot data in this process's mapping."""
         return self._data_addr, self.layout.num_slots * self.layout.slot_size
 
-    def slot_address(self, slot: int) -> int:
+    def slot_address(self, slot: int | np.ndarray) -> int | np.ndarray:
+        """The address of a slot (or of each slot of an array) in this process's mapping."""
         return self._data_addr + slot * self.layout.slot_size
 
 
