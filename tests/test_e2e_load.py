@@ -94,8 +94,13 @@ def baseline(tiny_model, tmp_path_factory) -> list[Outcome]:
     return run.outcomes
 
 
-def assert_load_served_exactly(run: LoadRun, baseline: list[Outcome], min_hit: float = 0.3) -> None:
-    """``min_hit``: the share of prompt tokens the pool must have served (none under faults)."""
+def assert_load_served_exactly(run: LoadRun, baseline: list[Outcome], min_hit: float = 0.15) -> None:
+    """``min_hit``: the share of prompt tokens the pool must have served (none under faults).
+
+    The share depends on timing: a request looked up while another still computes or
+    saves its prefix misses. The embedded pool served 55% alone, 44% with a second load
+    on the same 2 cores, 30% in CI among other test files; the floor only proves that
+    the pool served."""
     assert [(o.index, o.error) for o in run.outcomes if o.error] == [], run.log[-3000:]
     result = compare(run.outcomes, baseline, TOLERANCE)
     assert result.compared == MIX.num_requests
