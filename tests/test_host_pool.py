@@ -14,6 +14,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import uuid
 
@@ -1025,4 +1026,42 @@ def test_every_key_stays_findable_through_churn_in_a_tiny_table_of_collisions(na
             parts = pool.block_parts(groups)
             assert (parts == np.bincount(pair, weights=present)[pair]).all()
     finally:
+        pool.close()
+
+
+def test_a_free_lock_is_taken_without_the_blocking_flock_call(name, monkeypatch):
+    # fcntl.flock releases the GIL, and getting it back can wait for another thread's
+    # Python: the pool takes a free lock with a call that keeps the GIL instead.
+    pool = SharedHostPool(name, SLOT, 4)
+    try:
+        def blocking_flock(fd, op):
+            raise AssertionError("the lock was free: no blocking flock call")
+
+        monkeypatch.setattr(host_pool.fcntl, "flock", blocking_flock)
+        pool.commit(pool.reserve(["a"]))
+        assert pool.contains(["a", "b"]) == [True, False]
+    finally:
+        monkeypatch.undo()
+        pool.close()
+
+
+def test_a_lock_held_elsewhere_is_waited_for(name):
+    pool = SharedHostPool(name, SLOT, 4)
+    other = os.open(host_pool.lock_path(name), os.O_RDWR)  # its own open file: a lock of its own
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        released = []
+
+        def release() -> None:
+            time.sleep(0.3)
+            released.append(True)
+            fcntl.flock(other, fcntl.LOCK_UN)
+
+        t = threading.Thread(target=release)
+        t.start()
+        pool.commit(pool.reserve(["a"]))  # blocks until the other holder lets go
+        assert released == [True]
+        t.join()
+    finally:
+        os.close(other)
         pool.close()

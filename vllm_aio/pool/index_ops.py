@@ -14,11 +14,17 @@ views of its shared mapping:
 Both tables delete by backward shift, so a probe stops at the first empty
 bucket and no tombstone ever piles up. The callers hold the pool's lock.
 
+``mixed_ids`` turns block hashes into the two 64-bit ids that both tables
+are keyed by.
+
 Why compiled: a commit, and in a full pool every save's eviction, touched
 both tables once per key, and in Python that cost ~10 us a value, more than
-copying a 64 KiB value takes. The loops are numba-compiled (``nogil``: another
-thread of the process copies meanwhile) on first call and cached on disk as
-``host_copy.py``'s are. Measured on a 2-core VM with other work running:
+copying a 64 KiB value takes; mixing a 64-block prompt's ids in numpy took
+50 us, 160 us in a busy engine. The loops are numba-compiled on first call and
+cached on disk as ``host_copy.py``'s are. They keep the GIL: they run under the
+pool's lock, and a call that released it waited to get it back while another
+thread of the process ran Python (~1 ms a lookup of 64 blocks beside a busy
+thread, against 3 us), holding the lock that every other process waits for. Measured on a 2-core VM with other work running:
 compiling every function here took 2.6-3.2 s in all (the first reserve,
 commit and eviction of a process), loading them from the cache 0.3-0.4 s.
 numba's ``np.partition`` alone took 7.7 s to compile, so eviction's
@@ -37,8 +43,12 @@ FREE, WRITING, READY = 0, 1, 2
 Arrays3 = tuple[np.ndarray, np.ndarray, np.ndarray]
 Arrays2 = tuple[np.ndarray, np.ndarray]
 
+# splitmix64's finaliser constants (``_mix``).
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
-@njit(cache=True, nogil=True)
+
+@njit(cache=True)
 def _find(index: Arrays3, hi: int, lo: int) -> tuple[int, int]:
     """(bucket, slot) of the key, or (the first empty bucket on its probe path, -1)."""
     table, key_hi, key_lo = index
@@ -53,7 +63,7 @@ def _find(index: Arrays3, hi: int, lo: int) -> tuple[int, int]:
         bucket = (bucket + 1) & mask
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _unindex(index: Arrays3, bucket: int) -> None:
     """Empty a bucket with backward shift, keeping linear probing valid."""
     table, _, key_lo = index
@@ -69,7 +79,7 @@ def _unindex(index: Arrays3, bucket: int) -> None:
     table[hole] = EMPTY
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _find_record(records: Arrays3, hi: int, lo: int) -> int:
     """The bucket holding the record, or the empty bucket where it would go."""
     group_hi, group_lo, parts = records
@@ -80,7 +90,7 @@ def _find_record(records: Arrays3, hi: int, lo: int) -> int:
     return bucket
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _drop_record(records: Arrays3, bucket: int) -> None:
     """Empty a record's bucket with backward shift (as ``_unindex``)."""
     group_hi, group_lo, parts = records
@@ -94,7 +104,7 @@ def _drop_record(records: Arrays3, bucket: int) -> None:
     parts[hole] = 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def _count_part(records: Arrays3, hi: int, lo: int, delta: int) -> None:
     """A READY value of record ``(hi, lo)`` appeared (+1) or went (-1); a record counting 0 goes."""
     if hi == 0:  # not a block key
@@ -108,7 +118,7 @@ def _count_part(records: Arrays3, hi: int, lo: int, delta: int) -> None:
         _drop_record(records, bucket)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def find_slots(index: Arrays3, hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
     """The slot of every key id (``EMPTY``: absent)."""
     slots = np.empty(len(lo), dtype=np.int64)
@@ -117,7 +127,7 @@ def find_slots(index: Arrays3, hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
     return slots
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def record_parts(records: Arrays3, hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
     """The count of every record id (0: no record)."""
     parts = records[2]
@@ -127,7 +137,7 @@ def record_parts(records: Arrays3, hi: np.ndarray, lo: np.ndarray) -> np.ndarray
     return found
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def publish(
     index: Arrays3, records: Arrays3, slot_groups: Arrays2, state: np.ndarray, last_used: np.ndarray,
     slots: np.ndarray, clock: int,
@@ -156,7 +166,7 @@ def publish(
     return stored, clock
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def drop(index: Arrays3, records: Arrays3, slot_groups: Arrays2, slots: np.ndarray) -> None:
     """Take READY slots out of the index and their blocks' records; their state is the caller's."""
     _, key_hi, key_lo = index
@@ -168,7 +178,7 @@ def drop(index: Arrays3, records: Arrays3, slot_groups: Arrays2, slots: np.ndarr
         _count_part(records, group_hi[slot], group_lo[slot], -1)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True)
 def eviction_order(
     state: np.ndarray, retention: np.ndarray, lease_until: np.ndarray, last_used: np.ndarray, now: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -187,3 +197,26 @@ def eviction_order(
             ready[n], order[n] = slot, (retention[slot] << 49) | (leased << 48) | last_used[slot]
             n += 1
     return ready[:n], order[:n]
+
+
+@njit(cache=True)
+def _mix(x: np.uint64) -> np.uint64:
+    """splitmix64's finaliser: a bijection that spreads any bits over all 64 (home buckets)."""
+    x = (x ^ (x >> _S30)) * _M1
+    x = (x ^ (x >> _S27)) * _M2
+    return x ^ (x >> _S31)
+
+
+@njit(cache=True)
+def mixed_ids(words: np.ndarray, seed_hi: np.uint64, seed_lo: np.uint64) -> tuple[np.ndarray, np.ndarray]:
+    """Two 64-bit ids per row of ``words`` (uint64, one hash a row): every word goes
+    through ``_mix`` in turn, into both ids, from the seeds."""
+    hi = np.empty(words.shape[0], dtype=np.uint64)
+    lo = np.empty(words.shape[0], dtype=np.uint64)
+    for i in range(words.shape[0]):
+        h, l_ = seed_hi, seed_lo
+        for k in range(words.shape[1]):
+            h = _mix(h ^ words[i, k])
+            l_ = _mix(l_ ^ words[i, k] ^ h)
+        hi[i], lo[i] = h, l_
+    return hi, lo
