@@ -35,7 +35,11 @@ alike, so a block is at the same place in both):
   per plane, 1 MiB: a DMA that large runs near the link's speed, and one
   enqueue costs the forward thread ~10 us) are copied straight between the
   page-locked host copy and the buffer, no host work at all;
-* the other blocks pass through staging in chunks: gathered on the host
+* the other blocks, where the device maps host memory (CUDA: the host copy
+  registered and viewed as a device tensor), move in one copy kernel per
+  plane and chunk straight between the host copy and the buffer
+  (``Device.copy_rows``), with no host work;
+* elsewhere they pass through staging in chunks: gathered on the host
   (``BlockLayout.gather_planes``: no temporary, spread over threads), one
   host-device copy, one batched scatter per plane on the device; written
   blocks the reverse way. Per-block copies used a fifth of an H200's PCIe
