@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-token-ids", type=Path, help="a JSON file holding a list of token ids")
     move.add_argument("--max-tokens", type=int, default=64)
     move.add_argument("--after", type=int, default=16, help="tokens generated on the source before the move")
+    move.add_argument("--ignore-eos", action="store_true",
+                      help="generate all --max-tokens tokens, past the end-of-sequence token (vLLM's ignore_eos): "
+                      "a request that ends before the move cannot move")
     move.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                       help="the instances' --api-key (default: $VLLM_API_KEY)")
     routing = move.add_argument_group("router (--policy)")
@@ -211,7 +214,8 @@ def migrate(args: argparse.Namespace) -> int:
                                   headers=source.headers(), timeout=source.timeout)
             reply.raise_for_status()
             token_ids = reply.json()["tokens"]
-        result = generate_migrating(source, target, token_ids, args.max_tokens, args.after)
+        result = generate_migrating(source, target, token_ids, args.max_tokens, args.after,
+                                    {"ignore_eos": True} if args.ignore_eos else None)
     except (MigrationError, requests.RequestException) as exc:
         print(f"vllm-aio migrate: {exc}", file=sys.stderr)
         return 1
