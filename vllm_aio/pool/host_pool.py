@@ -53,11 +53,11 @@ hashing (~3 us a key). ``complete_blocks`` is one compiled probe per block
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import functools
 import hashlib
-import ctypes
 import mmap
 import os
 import stat

@@ -24,9 +24,10 @@ copying a 64 KiB value takes; mixing a 64-block prompt's ids in numpy took
 cached on disk as ``host_copy.py``'s are. They keep the GIL: they run under the
 pool's lock, and a call that released it waited to get it back while another
 thread of the process ran Python (~1 ms a lookup of 64 blocks beside a busy
-thread, against 3 us), holding the lock that every other process waits for. Measured on a 2-core VM with other work running:
-compiling every function here took 2.6-3.2 s in all (the first reserve,
-commit and eviction of a process), loading them from the cache 0.3-0.4 s.
+thread, against 3 us), holding the lock that every other process waits for.
+Measured on a 2-core VM with other work running: compiling every function
+here took 2.6-3.2 s in all (the first reserve, commit and eviction of a
+process), loading them from the cache 0.3-0.4 s.
 numba's ``np.partition`` alone took 7.7 s to compile, so eviction's
 selection stays numpy's (``SharedHostPool._evict``).
 """
