@@ -88,3 +88,29 @@ def test_a_layer_never_loaded_changes_the_output(tiny6_model, tmp_path, referenc
     (first,) = engine.run([PROMPTS], config, env={**IN_PROCESS, "AIO_FAULT": "skip_buffer_load"}, **RUN)
     with pytest.raises(AssertionError):
         assert_same_generation(first, rounds[0])
+
+
+# High-priority requests kept resident (dynamic_buffer_resident_blocks): 30 blocks of
+# memory plan 90 per buffer; 3 layer passes x 14 private blocks leave vLLM 48.
+RESIDENT_BLOCKS = 14
+PRIORITY_RUN = {**RUN, "kv_cache_memory_bytes": 30 * PAGE, "scheduling_policy": "priority",
+                # Round one: the first request is high priority (fits its 14 slots). Round two: it
+                # again, from vLLM's prefix cache (its blocks promoted from host memory), beside a
+                # low-priority request sharing every block of it (read from the private copy).
+                "priorities": [[0, 1, 1, 1], [1, 0]]}
+PRIORITY_ROUNDS = [PROMPTS, [PROMPTS[0], PROMPTS[0]]]
+
+
+def test_high_priority_requests_stay_resident_with_the_same_output(tiny6_model, tmp_path):
+    engine = Engine(tiny6_model, tmp_path)
+    want = engine.run(PRIORITY_ROUNDS, env=IN_PROCESS, num_gpu_blocks_override=48, **PRIORITY_RUN)
+    preemptions = engine.last_preemptions
+    config = _buffer(dynamic_buffer_resident_blocks=RESIDENT_BLOCKS, priority_cutoffs=[0])
+    got = engine.run(PRIORITY_ROUNDS, config, env=IN_PROCESS, **PRIORITY_RUN)
+    assert _buffer_blocks(engine.last_log) == 48
+    assert "42 private blocks per buffer" in engine.last_log
+    assert re.search(r"first resident step: \d+ blocks kept on the device", engine.last_log)
+    assert engine.last_preemptions == preemptions
+    assert got[1][1]["cached"] > 0, "round two should hit vLLM's prefix cache"
+    for g, w in zip(got, want):
+        assert_same_generation(g, w)

@@ -10,6 +10,12 @@ sharing a buffer alias the same bytes; the worker
 (``connector/layer_buffer.py``) streams each layer's blocks in from host
 memory before it runs and writes new K/V back before the buffer is reused.
 
+With ``dynamic_buffer_resident_blocks`` (P), each buffer also holds P private
+blocks for every layer placed on it (``private_blocks``: P x ceil(L/S) past
+vLLM's blocks, so the plan's blocks per buffer stay what memory allows): the
+workers' views cover them, and the scheduler's block pool is that many blocks
+smaller, so vLLM never hands them out (``connector/residency.py`` does).
+
 This module is a ``vllm.general_plugins`` entry point (see setup.py): vLLM
 calls ``register`` in each of its processes before the KV cache is planned.
 It changes nothing unless the AioConnector is configured with
@@ -29,6 +35,9 @@ from vllm_aio.registration import selects_aio
 logger = get_logger(__name__)
 
 _PLANNER = "get_kv_cache_configs"
+_SCHEDULER_VIEW = "generate_scheduler_kv_cache_config"
+# Set on the workers' plans: the blocks per buffer kept out of the scheduler's pool.
+_PRIVATE_ATTR = "vllm_aio_private_blocks"
 
 
 def register() -> None:
@@ -51,22 +60,33 @@ def register() -> None:
             )
         scaled = [memory * num_layers // buffers for memory in available_memory]
         configs = [alias_layers(c, buffers) for c in original(vllm_config, kv_cache_specs, scaled)]
+        private = private_blocks(num_layers, buffers, resident_blocks(vllm_config))
+        for config in configs:
+            reserve_private(config, private)
         logger.info(
             "vllm_aio: dynamic buffer: %d layers on %d device buffers, %d blocks (%.1fx the device-resident "
-            "count); host memory holds every layer",
+            "count); host memory holds every layer%s",
             num_layers,
             buffers,
-            configs[0].num_blocks,
+            configs[0].num_blocks - private,
             num_layers / buffers,
+            f"; {private} private blocks per buffer keep high-priority requests resident" if private else "",
         )
         return configs
 
+    def scheduler_view(kv_cache_configs):
+        config = original_view(kv_cache_configs)
+        config.num_blocks -= getattr(kv_cache_configs[0], _PRIVATE_ATTR, 0)
+        return config
+
+    original_view = getattr(kv_cache_utils, _SCHEDULER_VIEW)
     plan.__wrapped_by_vllm_aio__ = True
-    setattr(kv_cache_utils, _PLANNER, plan)
-    # The engine core imports the planner by name; patch that copy if it exists already.
-    core = sys.modules.get("vllm.v1.engine.core")
-    if core is not None and hasattr(core, _PLANNER):
-        setattr(core, _PLANNER, plan)
+    for name, patched in ((_PLANNER, plan), (_SCHEDULER_VIEW, scheduler_view)):
+        setattr(kv_cache_utils, name, patched)
+        # The engine core imports these by name; patch its copies if it exists already.
+        core = sys.modules.get("vllm.v1.engine.core")
+        if core is not None and hasattr(core, name):
+            setattr(core, name, patched)
 
 
 def dynamic_buffer_layers(vllm_config: Any) -> int:
@@ -75,6 +95,30 @@ def dynamic_buffer_layers(vllm_config: Any) -> int:
     if not selects_aio(transfer):
         return 0
     return parse_extra_config(transfer.kv_connector_extra_config).dynamic_buffer_layers
+
+
+def resident_blocks(vllm_config: Any) -> int:
+    """P: the AioConnector's ``dynamic_buffer_resident_blocks`` (only read with the buffer on)."""
+    return parse_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config).dynamic_buffer_resident_blocks
+
+
+def private_blocks(num_layers: int, buffers: int, resident: int) -> int:
+    """Blocks per buffer past vLLM's: ``resident`` private blocks for each layer placed on it.
+
+    Layer ``l`` keeps its private blocks at ``num_blocks + (l // buffers) * resident``
+    (the worker remaps resident block ids there, ``connector/layer_buffer.py``).
+    """
+    return -(-num_layers // buffers) * resident
+
+
+def reserve_private(config: Any, private: int) -> None:
+    """Keep ``private`` blocks of the workers' plan out of the scheduler's pool (``scheduler_view``)."""
+    if private and private >= config.num_blocks // 2:
+        raise ConfigError(
+            f"dynamic_buffer_resident_blocks: {private} private blocks per buffer leave "
+            f"{config.num_blocks - private} of {config.num_blocks} for the streamed requests; use fewer"
+        )
+    setattr(config, _PRIVATE_ATTR, private)
 
 
 def refuse_unsupported(vllm_config: Any) -> None:

@@ -90,6 +90,12 @@ class AioConfig:
     # cache). With S >= 2, layers time-share S device buffers while the full KV
     # lives in host memory, and vLLM sees about layers/S times more blocks.
     dynamic_buffer_layers: int = 0
+    # With the dynamic buffer: device blocks per layer kept for requests of the
+    # highest retention class (``priority_cutoffs``), whose KV then stays on
+    # the device in every layer instead of streaming through the S buffers
+    # (0: every request streams). Each costs one block of every layer, taken
+    # from the streamed blocks' memory.
+    dynamic_buffer_resident_blocks: int = 0
     # The chosen backend's own settings: its keys of the extra config (e.g.
     # local_pool_size, master_server_address), its variables and its files.
     backend_settings: BackendSettings = field(default_factory=LocalSettings)
@@ -120,6 +126,15 @@ class AioConfig:
             raise ConfigError(
                 "dynamic_buffer_layers, use_layerwise: choose one; the dynamic buffer already streams "
                 "every layer through host memory"
+            )
+        if self.dynamic_buffer_resident_blocks < 0:
+            raise ConfigError(
+                f"dynamic_buffer_resident_blocks: expected an integer >= 0, got {self.dynamic_buffer_resident_blocks}"
+            )
+        if self.dynamic_buffer_resident_blocks and not (self.dynamic_buffer_layers and self.priority_cutoffs):
+            raise ConfigError(
+                "dynamic_buffer_resident_blocks: needs dynamic_buffer_layers >= 2 and priority_cutoffs (the "
+                "requests of the highest retention class stay resident)"
             )
         if self.layerwise_prefetch_layers < 0:
             raise ConfigError(f"layerwise_prefetch_layers: expected an integer >= 0, got {self.layerwise_prefetch_layers}")

@@ -103,7 +103,10 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
-            self._worker.begin_step(self._meta())
+            from vllm.forward_context import get_forward_context, is_forward_context_available
+
+            # vLLM binds inside the step's forward context, before the forward.
+            self._worker.begin_step(self._meta(), get_forward_context() if is_forward_context_available() else None)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         self._worker.start_load_kv(self._meta())

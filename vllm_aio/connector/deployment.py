@@ -64,6 +64,7 @@ class Deployment:
     num_kv_heads: int  # in the whole model (MLA: see use_mla)
     use_mla: bool
     priority_cutoffs: tuple[int, ...] = ()  # AioConfig.priority_cutoffs
+    resident_blocks: int = 0  # AioConfig.dynamic_buffer_resident_blocks
     # vLLM's KV cache groups. With more than one (hybrid attention), ``layer_names``
     # are group 0's: every group's i-th layer aliases the same cache memory
     # (``AioWorker`` checks), so a block's bytes are read the same through any group.
@@ -143,6 +144,7 @@ def build_deployment(
         num_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
         use_mla=bool(vllm_config.model_config.use_mla),
         priority_cutoffs=cfg.priority_cutoffs,
+        resident_blocks=cfg.dynamic_buffer_resident_blocks,
         groups=groups,
     )
 

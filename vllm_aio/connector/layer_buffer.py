@@ -60,6 +60,14 @@ own kernel launches (not done).
 Measured on an H200 (benchmarks/dynamic_buffer.py, ``vllm_aio S=2``, block
 ids of a fresh cache, so loads mostly in place): 0.94-1.04x the idealised
 S = 2 pipeline on every row, from 2.2-22x before.
+
+Resident blocks (``dynamic_buffer_resident_blocks``, ``connector/residency.py``):
+the step's ``pinned`` blocks live past vLLM's blocks, at private ids of each
+layer's buffer (``BlockRemap.private_base``), and vLLM's tables are pointed
+there layer by layer (``block_remap.py``). They are not loaded; a ``promoted``
+block is copied from the host copy to its private place in every layer (with
+that layer's load), and a written one is written back from there. The host copy
+covers vLLM's blocks only.
 """
 
 from __future__ import annotations
@@ -72,10 +80,15 @@ from functools import partial
 import numpy as np
 import torch
 
+from vllm_aio.buffer_plan import private_blocks
 from vllm_aio.connector.block_layout import BlockLayout
+from vllm_aio.connector.block_remap import BlockRemap
 from vllm_aio.connector.metadata import AioConnectorMetadata, BufferStep
 from vllm_aio.connector.staging import Slice, StagingBuffer, even_ranges
 from vllm_aio.device import Device, HostMemory
+from vllm_aio.log import get_logger
+
+logger = get_logger(__name__)
 
 
 # A run of consecutive blocks whose every plane is at least this large is
@@ -89,6 +102,11 @@ _HOST_ALIGN = 4096
 class _Chunk:
     ids: torch.Tensor  # CPU int64: the host copy's side
     device_ids: torch.Tensor  # the same ids on the device (moved once per step, used by every layer)
+    slots: torch.Tensor | None = None  # pinned blocks: their private slots on the device
+
+    def cache_ids(self, private_base: int) -> torch.Tensor:
+        """The blocks' ids in the device cache of a layer whose private blocks start at ``private_base``."""
+        return self.device_ids if self.slots is None else self.slots + private_base
 
 
 @dataclass(frozen=True)
@@ -114,17 +132,28 @@ class _Pending:
 class LayerBuffer:
     def __init__(
         self, device_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int,
-        buffers: int, staging_bytes: int, direct_copy_bytes: int = DIRECT_COPY_BYTES,
+        buffers: int, staging_bytes: int, direct_copy_bytes: int = DIRECT_COPY_BYTES, resident_blocks: int = 0,
+        block_tokens: int = 0,
     ) -> None:
+        """``num_blocks``: the device caches' blocks, the private ones of ``resident_blocks`` (P per
+        layer) included; ``block_tokens``: tokens per block (with resident blocks: vLLM's slot mapping)."""
         first = device_caches[layer_names[0]]
         self.device = Device(first.device)
+        # vLLM's blocks; the private ones follow them in the device caches.
+        self.num_blocks = num_blocks - private_blocks(len(layer_names), buffers, resident_blocks)
         # The full KV of every layer, one page-locked allocation; vLLM's blocks index it like the device cache.
-        self._host_memory, self.host_caches = _host_copy(self.device, device_caches, layer_names)
+        self._host_memory, self.host_caches = _host_copy(
+            self.device, {n: _first_blocks(device_caches[n], num_blocks, self.num_blocks) for n in layer_names},
+            layer_names,
+        )
         self._device_layout = BlockLayout(device_caches, layer_names, num_blocks)
-        self._host_layout = BlockLayout(self.host_caches, layer_names, num_blocks)
+        self._host_layout = BlockLayout(self.host_caches, layer_names, self.num_blocks)
+        self._remap = (
+            BlockRemap(self.device, self.num_blocks, resident_blocks, buffers, block_tokens) if resident_blocks else None
+        )
         # The host copy as the device's kernels see it, where the device maps host memory.
         mapped = _device_views(self._host_memory, self.host_caches)
-        self._mapped_layout = None if mapped is None else BlockLayout(mapped, layer_names, num_blocks)
+        self._mapped_layout = None if mapped is None else BlockLayout(mapped, layer_names, self.num_blocks)
         self.buffers = buffers
         self.num_layers = len(layer_names)
         self._stream = self.device.new_stream()
@@ -135,29 +164,51 @@ class LayerBuffer:
         self._min_run = max(1, -(-direct_copy_bytes // max(smallest_plane, 1)))
         self._pending: deque[_Pending] = deque()  # oldest first: events on one stream complete in order
         self._loaded: dict[int, torch.Event | None] = {}
-        self._resident = self._written = _NOTHING
+        self._layer_names = list(layer_names)
+        self._pinned_before = False  # the first resident step is logged
+        self._resident = self._written = self._promoted = self._pinned_written = _NOTHING
 
     @property
     def host_bytes(self) -> int:
         return sum(t.nbytes for t in self.host_caches.values())
 
     # ---- per step ----------------------------------------------------------
-    def begin_step(self, step: BufferStep) -> None:
+    def begin_step(self, step: BufferStep, forward_context: object = None) -> None:
+        """``forward_context``: vLLM's, whose tables point at the pinned blocks during the step."""
         self._drain()  # a step that ended without end_step: the host copy must be settled
+        if self._remap is not None:
+            self._remap.end()  # and vLLM's tables its own
         self._apply_block_updates(step)
         # vLLM's own cache updates (block copies) on the compute stream come before our loads.
         self.device.wait(self.device.record(), self._stream)
         with self.device.on(self._stream):  # the step's device ids live on the transfer stream
             self._resident = self._plan(step.resident)
-            self._written = self._plan(step.written)
+            slot_of = dict(step.pinned)
+            self._written = self._plan([b for b in step.written if b not in slot_of])
+            self._promoted = self._pinned_plan(step.promoted, slot_of)
+            self._pinned_written = self._pinned_plan([b for b in step.written if b in slot_of], slot_of)
+        if step.pinned:
+            if self._remap is None:
+                raise RuntimeError("dynamic buffer: pinned blocks without dynamic_buffer_resident_blocks")
+            if not self._pinned_before:
+                logger.info("vllm_aio: dynamic buffer: first resident step: %d blocks kept on the device in "
+                            "every layer, %d filled from host memory", len(step.pinned), len(step.promoted))
+                self._pinned_before = True
+            blocks, slots = zip(*step.pinned)
+            # vLLM's tables are rewritten on the compute stream, where they are read.
+            self._remap.begin(self.device.indices(list(blocks)), self.device.indices(list(slots)))
+            self._remap.attach(forward_context, self._layer_names)
         self._loaded.clear()
         for layer in range(min(self.buffers, self.num_layers)):
             self._load(layer)
         self.before_layer(0)
 
     def before_layer(self, layer: int) -> None:
-        """Order layer ``layer``'s compute after its load (no host wait on accelerators)."""
+        """Order layer ``layer``'s compute after its load (no host wait on accelerators), and
+        point vLLM's tables at the layer's private blocks."""
         self.device.wait(self._loaded.pop(layer, None))
+        if self._remap is not None and layer < self.num_layers:
+            self._remap.apply(layer)
 
     def layer_done(self, layer: int) -> None:
         """Layer ``layer`` has written its K/V: save them, then reuse its buffer."""
@@ -167,7 +218,9 @@ class LayerBuffer:
             self._load(layer + self.buffers)
 
     def end_step(self) -> None:
-        """Host memory holds every block the step wrote (the pool may read it)."""
+        """Host memory holds every block the step wrote (the pool may read it); vLLM's tables are its own."""
+        if self._remap is not None:
+            self._remap.end()
         self._drain()
 
     def close(self) -> None:
@@ -199,30 +252,43 @@ class LayerBuffer:
         chunks = [_Chunk(ids, self._to_device(ids)) for ids in _even_chunks(staged, self._chunk_blocks)]
         return _Plan(runs, chunks)
 
+    def _pinned_plan(self, block_ids: Sequence[int], slot_of: Mapping[int, int]) -> _Plan:
+        """Pinned blocks, moved between the host copy and their private places (never in place)."""
+        ids = torch.as_tensor(sorted(set(block_ids)), dtype=torch.int64)
+        slots = torch.as_tensor([slot_of[int(b)] for b in ids], dtype=torch.int64)
+        chunks = [
+            _Chunk(ids[a:b], self._to_device(ids[a:b]), self._to_device(slots[a:b]))
+            for a, b in even_ranges(len(ids), self._chunk_blocks)
+        ]
+        return _Plan([], chunks)
+
     # ---- copies ------------------------------------------------------------
     def _load(self, layer: int) -> None:
         host, dev = self._host_layout.planes[layer], self._device_layout.planes[layer]
+        base = self._private_base(layer)
+        chunks = [*self._resident.chunks, *self._promoted.chunks]
         with self.device.on(self._stream):
             for start, stop in self._resident.runs:
                 for d, h in zip(dev, host):
                     d.blocks[start:stop].copy_(h.blocks[start:stop], non_blocking=True)
             if self._mapped_layout is not None:  # scattered blocks: a kernel reads the host copy (Device.copy_rows)
-                for chunk in self._resident.chunks:
+                for chunk in chunks:
                     for d, m in zip(dev, self._mapped_layout.planes[layer]):
-                        self.device.copy_rows(_words(d.blocks), chunk.device_ids, _words(m.blocks), chunk.device_ids)
+                        self.device.copy_rows(_words(d.blocks), chunk.cache_ids(base), _words(m.blocks),
+                                              chunk.device_ids)
                 self._loaded[layer] = self.device.record(self._stream)
                 return
-        for chunk in self._resident.chunks:
+        for chunk in chunks:
             n = len(chunk.ids)
             piece = self._slice(n * self._host_layout.layer_bytes(layer))
             self._host_layout.gather_planes(chunk.ids, layer, piece.tensor)
             with self.device.on(self._stream):
                 if self.device.is_host:
-                    self._device_layout.scatter_planes(piece.tensor, chunk.ids, layer)
+                    self._device_layout.scatter_planes(piece.tensor, chunk.cache_ids(base), layer)
                 else:
                     staged = self._to_device(piece.tensor)
                     for d, rows in zip(dev, self._device_layout.plane_rows(layer, staged, n)):
-                        d.blocks.index_copy_(0, chunk.device_ids, rows)
+                        d.blocks.index_copy_(0, chunk.cache_ids(base), rows)
                 event = self.device.record(self._stream)
             self._pending.append(_Pending(piece, event))
         # Recorded even with nothing loaded: the layer's compute must still follow
@@ -231,6 +297,8 @@ class LayerBuffer:
 
     def _write_back(self, layer: int) -> None:
         host, dev = self._host_layout.planes[layer], self._device_layout.planes[layer]
+        base = self._private_base(layer)
+        chunks = [*self._written.chunks, *self._pinned_written.chunks]
         computed = self.device.record()  # the compute stream, after this layer's attention
         with self.device.on(self._stream):
             # Even with nothing to write back: the next load into this buffer must follow the attention.
@@ -239,24 +307,28 @@ class LayerBuffer:
                 for d, h in zip(dev, host):
                     h.blocks[start:stop].copy_(d.blocks[start:stop], non_blocking=True)
             if self._mapped_layout is not None:  # scattered blocks: a kernel writes the host copy
-                for chunk in self._written.chunks:
+                for chunk in chunks:
                     for d, m in zip(dev, self._mapped_layout.planes[layer]):
-                        self.device.copy_rows(_words(m.blocks), chunk.device_ids, _words(d.blocks), chunk.device_ids)
+                        self.device.copy_rows(_words(m.blocks), chunk.device_ids, _words(d.blocks),
+                                              chunk.cache_ids(base))
                 return
-        for chunk in self._written.chunks:
+        for chunk in chunks:
             n = len(chunk.ids)
             piece = self._slice(n * self._host_layout.layer_bytes(layer))
             with self.device.on(self._stream):
                 if self.device.is_host:
-                    self._device_layout.gather_planes(chunk.ids, layer, piece.tensor)
+                    self._device_layout.gather_planes(chunk.cache_ids(base), layer, piece.tensor)
                 else:
                     scratch = self.device.empty(piece.tensor.numel())
                     for d, rows in zip(dev, self._device_layout.plane_rows(layer, scratch, n)):
-                        torch.index_select(d.blocks, 0, chunk.device_ids, out=rows)
+                        torch.index_select(d.blocks, 0, chunk.cache_ids(base), out=rows)
                     piece.tensor.copy_(scratch, non_blocking=True)
                 event = self.device.record(self._stream)
             scatter = partial(self._host_layout.scatter_planes, piece.tensor, chunk.ids, layer)
             self._pending.append(_Pending(piece, event, scatter))
+
+    def _private_base(self, layer: int) -> int:
+        return self._remap.private_base(layer) if self._remap is not None else self.num_blocks
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         # From page-locked memory: see Device.indices.
@@ -300,9 +372,9 @@ class BufferHooks:
         self.buffer = buffer
         self._index = {name: i for i, name in enumerate(layer_names)}
 
-    def begin_step(self, meta: AioConnectorMetadata) -> None:
+    def begin_step(self, meta: AioConnectorMetadata, forward_context: object = None) -> None:
         if meta.buffer is not None:
-            self.buffer.begin_step(meta.buffer)
+            self.buffer.begin_step(meta.buffer, forward_context)
 
     def after_layer(self, layer_name: str, meta: AioConnectorMetadata) -> None:
         if meta.buffer is not None and layer_name in self._index:
@@ -321,7 +393,7 @@ class BufferHooks:
 class NoBuffer:
     """Every layer resident on the device: the hooks have nothing to do."""
 
-    def begin_step(self, meta: AioConnectorMetadata) -> None:
+    def begin_step(self, meta: AioConnectorMetadata, forward_context: object = None) -> None:
         pass
 
     def after_layer(self, layer_name: str, meta: AioConnectorMetadata) -> None:
@@ -365,6 +437,13 @@ def _device_views(memory: HostMemory, host_caches: Mapping[str, torch.Tensor]) -
         offset = t.data_ptr() - base
         views[name] = whole[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
     return views
+
+
+def _first_blocks(cache: torch.Tensor, num_blocks: int, keep: int) -> torch.Tensor:
+    """``cache``'s first ``keep`` of ``num_blocks`` blocks (``[num_blocks, ...]`` or ``[2, num_blocks, ...]``)."""
+    if keep == num_blocks:
+        return cache
+    return cache[:keep] if cache.shape[0] == num_blocks else cache[:, :keep]
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,10 @@ class BufferStep:
 
     resident: list[int] = field(default_factory=list)  # blocks holding K/V from before the step (loaded)
     written: list[int] = field(default_factory=list)  # blocks the step writes new K/V into (written back)
+    # Blocks kept on the device in every layer (``residency.py``): (block id, private slot). Never in
+    # ``resident``; those in ``written`` are written back from their private place.
+    pinned: list[tuple[int, int]] = field(default_factory=list)
+    promoted: list[int] = field(default_factory=list)  # pinned blocks filled from the host copy this step
     zeroed: list[int] = field(default_factory=list)  # new blocks vLLM zeroes before the step
     copies: list[tuple[int, int]] = field(default_factory=list)  # vLLM's copy-on-write (src, dst)
 

@@ -44,6 +44,7 @@ from vllm_aio.backends import Backend
 from vllm_aio.connector.deployment import CacheGroup, Deployment
 from vllm_aio.connector.events import KVEvents
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, BufferStep, LookupCounts
+from vllm_aio.connector.residency import Residency
 from vllm_aio.log import get_logger
 from vllm_aio.pool.keys import BlockParts, group_block_hashes
 from vllm_aio.pool.ownership import Ownership
@@ -172,6 +173,8 @@ class AioScheduler:
         # Requests whose pool load failed whole (hybrid models): vLLM recomputes
         # them from the start and asks again, and the pool must not be offered twice.
         self._recompute: set[str] = set()
+        # With dynamic_buffer_resident_blocks: the highest retention class's requests stay on the device.
+        self._residency = Residency(deployment.resident_blocks) if deployment.resident_blocks else None
 
     def _parts_of(self, namespace) -> BlockParts:
         return BlockParts(
@@ -359,11 +362,13 @@ class AioScheduler:
             self._trackers.pop(req_id, None)
             self._claims.pop(req_id, None)
             self._recompute.discard(req_id)
+            self._release_residency(req_id)
         meta = AioConnectorMetadata(
             loads=self._pending_loads, lookups=self._lookups, namespace_digest=self.parts.namespace_digest
         )
         for req_id in scheduler_output.preempted_req_ids or ():
             self._plan_rescue(meta, req_id)  # first: it may be resumed in this same step
+            self._release_residency(req_id)  # its blocks may be another's now
         loading = {t.req_id for t in self._pending_loads}
         for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids - loading:
             self._claims.pop(req_id, None)  # preempted since: its old blocks may be another's now
@@ -397,11 +402,6 @@ class AioScheduler:
     ) -> BufferStep:
         """The blocks the dynamic buffer streams through the device this step.
 
-        The one decision point for residency: every scheduled request streams
-        all its blocks through the S buffers. A policy keeping some requests
-        resident in every layer (e.g. high-priority
-        requests) would change the set chosen here and the KV cache plan.
-
         Loaded (``resident``): only the blocks holding tokens from before the
         step's first computed token, ``block_ids[:ceil(computed / block_size)]``
         (the last of them may be partly full, and is written too). The step's
@@ -411,18 +411,42 @@ class AioScheduler:
         loading them would copy bytes that are overwritten or never read (a
         prefill without a cached prefix loads nothing). Written back
         (``written``): every block the step's tokens land in.
+
+        With ``dynamic_buffer_resident_blocks``, the blocks of requests of the
+        highest retention class that fit stay on the device instead
+        (``pinned``, ``residency.py``): not loaded, written back from their
+        private place; a block taking its slot with K/V in it is ``promoted``.
         """
         step = BufferStep(
             zeroed=list(scheduler_output.new_block_ids_to_zero or []),
             copies=[(c.src_block_id, c.dst_block_id) for c in scheduler_output.kv_cache_block_copies or []],
         )
         bs = self._dep.block_size
+        top = len(self._dep.priority_cutoffs)
         for tracker, computed in scheduled:
             end = -(-(computed + scheduler_output.num_scheduled_tokens[tracker.request.request_id]) // bs)
             block_ids = tracker.block_ids[0]  # the buffer refuses hybrid models (one group)
-            step.resident.extend(block_ids[: -(-computed // bs)])
+            loaded = -(-computed // bs)
+            if self._residency is not None and self._dep.retention_of(tracker.request.priority) == top:
+                step.promoted.extend(self._residency.place(tracker.request.request_id, block_ids[:end], loaded))
+            step.resident.extend(block_ids[:loaded])
             step.written.extend(block_ids[computed // bs : end])
+        if self._residency is not None:
+            self._pin(step)
         return step
+
+    def _pin(self, step: BufferStep) -> None:
+        """Move the step's resident blocks from ``resident`` to ``pinned``; vLLM's
+        zeroing or copy into a pinned block reaches the host copy only, so it is promoted again."""
+        slots = {b: s for b in (*step.resident, *step.written) if (s := self._residency.slot(b)) is not None}
+        step.pinned = sorted(slots.items())
+        step.resident = [b for b in step.resident if b not in slots]
+        updated = {*step.zeroed, *(dst for _, dst in step.copies)}
+        step.promoted = sorted({*step.promoted, *(b for b in slots if b in updated)})
+
+    def _release_residency(self, req_id: str) -> None:
+        if self._residency is not None:
+            self._residency.release(req_id)
 
     def _plan_save(
         self,
@@ -520,6 +544,7 @@ class AioScheduler:
         self._claims.pop(request.request_id, None)
         self._found.pop(request.request_id, None)
         self._recompute.discard(request.request_id)
+        self._release_residency(request.request_id)
         return False, None
 
     def close(self) -> None:

@@ -74,10 +74,12 @@ class AioWorker:
             check_groups_alias(kv_caches, [g.layer_names for g in self._dep.groups])
         if self._dep.buffer_layers:
             buffer = LayerBuffer(
-                kv_caches, self._dep.layer_names, num_blocks, self._dep.buffer_layers, self._cfg.staging_buffer_size
+                kv_caches, self._dep.layer_names, num_blocks, self._dep.buffer_layers, self._cfg.staging_buffer_size,
+                resident_blocks=self._dep.resident_blocks, block_tokens=self._dep.block_size,
             )
             self._buffer = BufferHooks(buffer, self._dep.layer_names)
-            kv_caches = buffer.host_caches  # the pool moves blocks to and from the buffer's host copy
+            # The pool moves vLLM's blocks to and from the buffer's host copy (not the private ones).
+            kv_caches, num_blocks = buffer.host_caches, buffer.num_blocks
             logger.info(
                 "vllm_aio: dynamic buffer: %d layers on %d device buffers; host copy of every layer %.2f GiB%s",
                 len(self._dep.layer_names),
@@ -121,14 +123,16 @@ class AioWorker:
         if meta.rescues:
             self._saves.rescue(meta.rescues)
 
-    def begin_step(self, meta: AioConnectorMetadata) -> None:
-        """Before every forward (vLLM binds the metadata), unlike ``start_load_kv``."""
+    def begin_step(self, meta: AioConnectorMetadata, forward_context: object = None) -> None:
+        """Before every forward (vLLM binds the metadata), unlike ``start_load_kv`` (vLLM 0.32 calls
+        it after the forward unless a load must finish first). ``forward_context``: the forward's,
+        where one is set (its attention metadata, for the dynamic buffer's resident blocks)."""
         if meta.namespace_digest and meta.namespace_digest != self._io.namespace_digest:
             logger.info("vllm_aio: key namespace %s -> %s (weight version changed)",
                         self._io.namespace_digest, meta.namespace_digest)
             self._io.rename(meta.namespace_digest)
         self._loads.begin_step(meta)
-        self._buffer.begin_step(meta)
+        self._buffer.begin_step(meta, forward_context)
 
     def start_load_kv(self, meta: AioConnectorMetadata) -> None:
         if self._reports_lookups:
