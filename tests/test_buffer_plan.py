@@ -39,6 +39,27 @@ def test_layers_are_placed_round_robin_on_the_buffers(kv):
     assert {t.size for t in planned.kv_cache_tensors} == {2 * region}  # one backing allocation
 
 
+def test_private_blocks_stay_out_of_the_schedulers_pool(kv):
+    from vllm.v1.core import kv_cache_utils
+
+    from vllm_aio.buffer_plan import private_blocks, register, reserve_private
+
+    register()
+    config = _config(kv, layers=5, num_blocks=40)
+    private = private_blocks(5, 2, resident=4)  # layers 0, 2, 4 share buffer 0: 3 passes x 4 blocks
+    reserve_private(config, private)
+    assert private == 12
+    assert kv_cache_utils.generate_scheduler_kv_cache_config([config]).num_blocks == 28
+    assert config.num_blocks == 40  # the workers' views cover the private blocks
+
+
+def test_private_blocks_that_leave_too_few_for_vllm_are_refused(kv):
+    from vllm_aio.buffer_plan import reserve_private
+
+    with pytest.raises(ConfigError, match="dynamic_buffer_resident_blocks: 20 private blocks per buffer leave 20 of 40"):
+        reserve_private(_config(kv, layers=4, num_blocks=40), 20)
+
+
 def test_block_outermost_layout_is_refused(kv):
     from vllm_aio.buffer_plan import alias_layers
 

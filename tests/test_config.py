@@ -257,6 +257,19 @@ def test_dynamic_buffer_layers_accepts_zero_or_two_and_more(value):
         parse_extra_config({"dynamic_buffer_layers": value}, environ={})
 
 
+@pytest.mark.parametrize("extra", [{"dynamic_buffer_resident_blocks": 8, "priority_cutoffs": [0]},
+                                   {"dynamic_buffer_resident_blocks": 8, "dynamic_buffer_layers": 2}])
+def test_resident_blocks_need_the_buffer_and_priority_classes(extra):
+    with pytest.raises(ConfigError, match=r"dynamic_buffer_resident_blocks: needs dynamic_buffer_layers >= 2 and "
+                                          r"priority_cutoffs"):
+        parse_extra_config(extra, environ={})
+
+
+def test_negative_resident_blocks_are_refused():
+    with pytest.raises(ConfigError, match="dynamic_buffer_resident_blocks: expected an integer >= 0, got -1"):
+        parse_extra_config({"dynamic_buffer_resident_blocks": -1}, environ={})
+
+
 def test_dynamic_buffer_with_layerwise_values_is_refused():
     with pytest.raises(ConfigError, match="dynamic_buffer_layers, use_layerwise"):
         parse_extra_config({"dynamic_buffer_layers": 2, "use_layerwise": True}, environ={})

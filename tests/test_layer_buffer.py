@@ -10,12 +10,15 @@ blocks moved through staging, in place (runs of consecutive blocks), or both.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from devices import CUDA, params
 from test_device import registered
 
 from vllm_aio import host_copy
+from vllm_aio.buffer_plan import private_blocks
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.connector.layer_buffer import LayerBuffer, _even_chunks, _runs
 from vllm_aio.connector.metadata import BufferStep
@@ -239,3 +242,72 @@ def test_without_the_buffer_the_check_fails(skip):
         setattr(model.buffer, skip, lambda *a: None)
     model.step(resident=list(range(4)), written=list(range(4)))
     assert model.step(resident=list(range(5)), written=[4]) != []
+
+
+class ResidentModel:
+    """Pinned blocks: L layers on S buffers of ``NUM_BLOCKS`` + private blocks, the forward reading and
+    writing through vLLM-like block table and slot mapping tensors that the buffer remaps per layer."""
+
+    def __init__(self, device: str, layers: int, buffers: int, resident: int, copies: str = "mixed"):
+        self.names = [f"layer.{i}" for i in range(layers)]
+        total = NUM_BLOCKS + private_blocks(layers, buffers, resident)
+        backing = torch.zeros(buffers, total, *PAGE, dtype=torch.bfloat16, device=device)
+        self.views = {n: backing[i % buffers] for i, n in enumerate(self.names)}
+        self.truth = {n: torch.zeros(NUM_BLOCKS, *PAGE, dtype=torch.bfloat16) for n in self.names}
+        self.buffer = LayerBuffer(self.views, self.names, total, buffers, 1 << 20, COPIES[copies],
+                                  resident_blocks=resident, block_tokens=PAGE[1])
+        for host in self.buffer.host_caches.values():
+            host.zero_()
+        self.device = device
+        self.generator = torch.Generator().manual_seed(0)
+
+    def step(self, read: list[int], written: list[int], pinned=(), promoted=()) -> list[str]:
+        """One forward over blocks ``read`` (and ``written``); returns the layers that saw wrong KV."""
+        slot_of = dict(pinned)
+        step = BufferStep(resident=[b for b in read if b not in slot_of and b not in written], written=written,
+                          pinned=list(pinned), promoted=list(promoted))
+        ids = sorted(set(read) | set(written))
+        table = torch.tensor([ids], dtype=torch.int32, device=self.device)
+        slots = torch.tensor([b * PAGE[1] for b in written], dtype=torch.int64, device=self.device)
+        meta = SimpleNamespace(block_table=table, slot_mapping=slots)
+        forward = SimpleNamespace(attn_metadata=dict.fromkeys(self.names, meta),
+                                  slot_mapping=dict.fromkeys(self.names, slots))
+        self.buffer.begin_step(step, forward)
+        wrong = []
+        for i, name in enumerate(self.names):
+            new = torch.randn(len(written), *PAGE, generator=self.generator).to(torch.bfloat16)
+            self.views[name][slots // PAGE[1]] = new.to(self.device)  # the cache update, through the slot mapping
+            self.truth[name][written] = new
+            if not torch.equal(self.views[name][table[0].long()].cpu(), self.truth[name][ids]):  # attention
+                wrong.append(name)
+            self.buffer.layer_done(i)
+            self.buffer.before_layer(i + 1)
+        self.buffer.end_step()
+        assert table[0].tolist() == ids and slots.tolist() == [b * PAGE[1] for b in written]  # vLLM's own again
+        return wrong
+
+    def host_matches(self, ids: list[int]) -> bool:
+        return all(torch.equal(self.buffer.host_caches[n][ids], self.truth[n][ids]) for n in self.names)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("copies", COPIES)
+@pytest.mark.parametrize("layers,buffers", [(6, 2), (7, 3)])
+def test_pinned_blocks_are_read_and_written_at_each_layers_private_place(device, copies, layers, buffers):
+    model = ResidentModel(device, layers, buffers, resident=4, copies=copies)
+    high = [(1, 0), (2, 1), (3, 2)]
+    assert model.step(read=[], written=[1, 2, 3], pinned=high) == []  # prefill, pinned from the start
+    assert model.step(read=[1, 2, 3], written=[3], pinned=high) == []  # decode: nothing of it loaded
+    assert model.step(read=[5, 6, 1, 2], written=[6]) == []  # another request streams; 1, 2 read from host
+    assert model.host_matches([1, 2, 3, 6])  # written back from the private places
+    # Block 5 and 6 become resident holding K/V: filled from the host copy; 1 gives its slot up.
+    assert model.step(read=[5, 6, 2], written=[6], pinned=[(5, 0), (6, 3), (2, 1)], promoted=[5, 6]) == []
+    assert model.host_matches([5, 6])
+
+
+def test_pinned_blocks_need_the_remap():
+    # Negative control: without pointing the tables at the private blocks, attention reads stale KV.
+    model = ResidentModel("cpu", 6, 2, resident=4)
+    model.buffer._remap.apply = lambda layer: None
+    model.step(read=[], written=[1, 2], pinned=[(1, 0), (2, 1)])
+    assert model.step(read=[1, 2], written=[2], pinned=[(1, 0), (2, 1)]) != []

@@ -501,6 +501,46 @@ def test_buffer_step_of_a_decode_loads_its_context_up_to_the_new_token():
     assert (sorted(meta.buffer.resident), meta.buffer.written) == ([7, 8, 9], [9])
 
 
+def _resident_scheduler(slots: int = 4) -> AioScheduler:
+    dep = dataclasses.replace(deployment(buffer_layers=2), priority_cutoffs=(0,), resident_blocks=slots)
+    return AioScheduler(dep, DictBackend())
+
+
+def test_buffer_step_pins_the_highest_class_blocks_instead_of_loading_them():
+    sched = _resident_scheduler()
+    high, low = Req("high", 8, priority=0), Req("low", 8, priority=1)
+    sched.update_state_after_alloc(high, blocks([7, 8]), 0)
+    sched.update_state_after_alloc(low, blocks([3, 4]), 0)
+    sched.build_connector_meta(step(new=[("high", [7, 8], 0), ("low", [3, 4], 0)], scheduled={"high": 8, "low": 8}))
+    meta = sched.build_connector_meta(
+        step(cached=[("high", [9], 8, False), ("low", [5], 8, False)], scheduled={"high": 1, "low": 1}))
+    assert meta.buffer.pinned == [(7, 0), (8, 1), (9, 2)]
+    assert sorted(meta.buffer.resident) == [3, 4]  # only the low-priority request streams
+    assert sorted(meta.buffer.written) == [5, 9] and meta.buffer.promoted == []
+
+
+def test_a_pinned_block_that_vllm_zeroes_or_copies_into_is_promoted_again():
+    sched = _resident_scheduler()
+    high = Req("high", 12, priority=0)
+    sched.update_state_after_alloc(high, blocks([7, 8, 9]), 0)
+    meta = sched.build_connector_meta(step(new=[("high", [7, 8, 9], 4)], scheduled={"high": 8},
+                                           zero=[9], copies=[SimpleNamespace(src_block_id=2, dst_block_id=8)]))
+    assert meta.buffer.promoted == [7, 8, 9]  # 7 holds the 4 computed tokens; 8 copied into, 9 zeroed
+
+
+def test_residency_ends_when_the_request_finishes_or_is_preempted():
+    sched = _resident_scheduler(slots=2)
+    a, b, c = Req("a", 8, priority=0), Req("b", 8, priority=0), Req("c", 8, priority=0)
+    for req, ids in ((a, [1, 2]), (b, [3, 4]), (c, [5, 6])):
+        sched.update_state_after_alloc(req, blocks(ids), 0)
+    meta = sched.build_connector_meta(step(new=[("a", [1, 2], 0), ("b", [3, 4], 0)], scheduled={"a": 8, "b": 8}))
+    assert meta.buffer.pinned == [(1, 0), (2, 1)]  # b does not fit: it streams
+    meta = sched.build_connector_meta(step(new=[("c", [5, 6], 0)], scheduled={"c": 8}, finished=["a"]))
+    assert meta.buffer.pinned == [(5, 1), (6, 0)]
+    meta = sched.build_connector_meta(step(cached=[("b", [], 8, False)], scheduled={"b": 1}, preempted=["c"]))
+    assert meta.buffer.pinned == [(3, 0), (4, 1)] and meta.buffer.promoted == [3, 4]
+
+
 def test_without_the_buffer_no_buffer_step_is_sent():
     sched = AioScheduler(deployment(), DictBackend())
     assert sched.build_connector_meta(step()).buffer is None
