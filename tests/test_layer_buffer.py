@@ -311,3 +311,12 @@ def test_pinned_blocks_need_the_remap():
     model.buffer._remap.apply = lambda layer: None
     model.step(read=[], written=[1, 2], pinned=[(1, 0), (2, 1)])
     assert model.step(read=[1, 2], written=[2], pinned=[(1, 0), (2, 1)]) != []
+
+
+def test_attention_backends_that_read_blocks_elsewhere_are_refused():
+    from vllm_aio.config import ConfigError
+    from vllm_aio.connector.block_remap import check_backends
+
+    check_backends({"layer.0": "CPU_ATTN", "layer.1": "FLASH_ATTN"})
+    with pytest.raises(ConfigError, match="attention backend FLASHINFER is not supported; it needs one of CPU_ATTN"):
+        check_backends({"layer.0": "FLASHINFER"})

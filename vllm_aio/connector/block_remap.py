@@ -13,8 +13,9 @@ own values back (on the CPU build they are vLLM's own persistent arrays).
 The rewrite is two small device kernels per table per S layers, from tensors
 prepared once per step: ``base = table + offset[block]`` and
 ``step = pinned[block] * P`` (in the table's units), then ``table = base + k * step``.
-Only backends whose metadata name a ``block_table`` are supported (vLLM's CPU,
-FlashAttention and Triton attention); others fail on the first pinned step.
+Only backends whose metadata carry the ``block_table`` their kernels read are
+supported (``BACKENDS``: vLLM's CPU, FlashAttention and Triton attention);
+``check_backends`` refuses others when the KV cache is registered.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from typing import Any
 
 import torch
 
+from vllm_aio.config import ConfigError
 from vllm_aio.device import Device
+
+# Attention backends whose metadata's ``block_table`` and slot mapping are what their kernels read.
+BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN")
 
 
 @dataclass
@@ -122,3 +127,13 @@ def _tables_of(forward_context: Any, layer_names: Iterable[str], block_tokens: i
             if isinstance(tensor, torch.Tensor):
                 found.setdefault((tensor.data_ptr(), tuple(tensor.shape)), (tensor, unit))
     return list(found.values())
+
+
+def check_backends(backend_names: dict[str, str]) -> None:
+    """Refuse, at start, layers whose attention backend (name by layer) reads blocks some other way."""
+    other = sorted({name for name in backend_names.values() if name not in BACKENDS})
+    if other:
+        raise ConfigError(
+            f"dynamic_buffer_resident_blocks: attention backend {', '.join(other)} is not supported; it needs one "
+            f"of {', '.join(BACKENDS)} (--attention-backend), or 0 resident blocks"
+        )

@@ -94,6 +94,14 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- worker side -------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        if self._worker.resident_blocks:
+            from vllm.config import get_layers_from_vllm_config
+            from vllm.model_executor.layers.attention.attention import Attention
+
+            from vllm_aio.connector.block_remap import check_backends
+
+            layers = get_layers_from_vllm_config(self._vllm_config, Attention, kv_caches)
+            check_backends({name: layer.get_attn_backend().get_name() for name, layer in layers.items()})
         self._worker.register_kv_caches(kv_caches, self._num_blocks)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:

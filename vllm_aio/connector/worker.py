@@ -69,6 +69,11 @@ class AioWorker:
         self._loads: Loads | None = None
         self._saves: Saves | None = None
 
+    @property
+    def resident_blocks(self) -> int:
+        """Private device blocks per layer for resident requests (dynamic buffer)."""
+        return self._dep.resident_blocks if self._dep.buffer_layers else 0
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         if self._dep.hybrid:  # blocks of every group are read through group 0's layers
             check_groups_alias(kv_caches, [g.layer_names for g in self._dep.groups])
