@@ -71,10 +71,9 @@ class BlockRemap:
 
     def attach(self, forward_context: Any, layer_names: Iterable[str]) -> None:
         """Take the forward's tables, pointed at the first pass's private blocks."""
-        if self._blocks is None:
+        # A step without attention metadata (vLLM's steps that schedule no tokens) reads no table.
+        if self._blocks is None or forward_context is None or not isinstance(forward_context.attn_metadata, dict):
             return
-        if forward_context is None or not isinstance(forward_context.attn_metadata, dict):
-            raise RuntimeError("dynamic_buffer_resident_blocks: a step with resident blocks has no attention metadata")
         for tensor, unit in _tables_of(forward_context, layer_names, self._block_tokens):
             self._tables.append(self._prepare(tensor, unit))
         self._pass = -1
