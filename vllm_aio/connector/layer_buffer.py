@@ -273,9 +273,9 @@ class LayerBuffer:
                     d.blocks[start:stop].copy_(h.blocks[start:stop], non_blocking=True)
             if self._mapped_layout is not None:  # scattered blocks: a kernel reads the host copy (Device.copy_rows)
                 for chunk in chunks:
+                    cache_ids = chunk.cache_ids(base)
                     for d, m in zip(dev, self._mapped_layout.planes[layer]):
-                        self.device.copy_rows(_words(d.blocks), chunk.cache_ids(base), _words(m.blocks),
-                                              chunk.device_ids)
+                        self.device.copy_rows(_words(d.blocks), cache_ids, _words(m.blocks), chunk.device_ids)
                 self._loaded[layer] = self.device.record(self._stream)
                 return
         for chunk in chunks:
@@ -286,9 +286,9 @@ class LayerBuffer:
                 if self.device.is_host:
                     self._device_layout.scatter_planes(piece.tensor, chunk.cache_ids(base), layer)
                 else:
-                    staged = self._to_device(piece.tensor)
+                    staged, cache_ids = self._to_device(piece.tensor), chunk.cache_ids(base)
                     for d, rows in zip(dev, self._device_layout.plane_rows(layer, staged, n)):
-                        d.blocks.index_copy_(0, chunk.cache_ids(base), rows)
+                        d.blocks.index_copy_(0, cache_ids, rows)
                 event = self.device.record(self._stream)
             self._pending.append(_Pending(piece, event))
         # Recorded even with nothing loaded: the layer's compute must still follow
@@ -308,9 +308,9 @@ class LayerBuffer:
                     h.blocks[start:stop].copy_(d.blocks[start:stop], non_blocking=True)
             if self._mapped_layout is not None:  # scattered blocks: a kernel writes the host copy
                 for chunk in chunks:
+                    cache_ids = chunk.cache_ids(base)
                     for d, m in zip(dev, self._mapped_layout.planes[layer]):
-                        self.device.copy_rows(_words(m.blocks), chunk.device_ids, _words(d.blocks),
-                                              chunk.cache_ids(base))
+                        self.device.copy_rows(_words(m.blocks), chunk.device_ids, _words(d.blocks), cache_ids)
                 return
         for chunk in chunks:
             n = len(chunk.ids)
@@ -319,9 +319,9 @@ class LayerBuffer:
                 if self.device.is_host:
                     self._device_layout.gather_planes(chunk.cache_ids(base), layer, piece.tensor)
                 else:
-                    scratch = self.device.empty(piece.tensor.numel())
+                    scratch, cache_ids = self.device.empty(piece.tensor.numel()), chunk.cache_ids(base)
                     for d, rows in zip(dev, self._device_layout.plane_rows(layer, scratch, n)):
-                        torch.index_select(d.blocks, 0, chunk.cache_ids(base), out=rows)
+                        torch.index_select(d.blocks, 0, cache_ids, out=rows)
                     piece.tensor.copy_(scratch, non_blocking=True)
                 event = self.device.record(self._stream)
             scatter = partial(self._host_layout.scatter_planes, piece.tensor, chunk.ids, layer)
