@@ -103,6 +103,11 @@ is at most ``--real-extra-max-gib`` (2.5). The real modes run in the first
 copy at the loaded blocks = layer constant, every written block must come back
 to the host copy) runs for the real code on the check batches.
 
+High-priority requests kept resident (third table, ``--priority``): is a decode step of one
+long high-priority request pinned in every layer (``LayerBuffer(resident_blocks=...)``, its reads
+and writes remapped to private blocks) within 1.2x of ``resident`` while low-priority requests
+stream (``vllm_aio S=2 pinned``; ``streamed``: every request streamed, no resident blocks)?
+
 Run locally (CPU, synchronous, tiny sizes: a smoke test, timings meaningless):
 
     .venv/bin/python benchmarks/dynamic_buffer.py --device cpu --quick
@@ -119,14 +124,16 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from vllm_aio.buffer_plan import private_blocks  # noqa: E402
 from vllm_aio.connector.layer_buffer import LayerBuffer  # noqa: E402
 from vllm_aio.connector.metadata import BufferStep  # noqa: E402
 from _accel import Accel, copy_bandwidth, timed  # noqa: E402  (benchmarks/ is on sys.path)
@@ -426,6 +433,195 @@ class RealBuffer:
             f"FAILED (load at layers {bad_load[:8]}, write-back at {bad_wb[:8]})"
 
 
+# ---------------------------------------------------------------- high-priority requests kept resident
+
+PRIORITY_BUFFERS = 2  # S of the priority section
+
+
+@dataclass(frozen=True)
+class PriorityBatch:
+    """One high-priority request over ``hp_context`` tokens beside ``lp_reqs`` low-priority ones over
+    ``lp_context`` each; every request decodes one token, the last slot of its last block (as ``Batch``)."""
+
+    hp_context: int
+    lp_reqs: int = 0
+    lp_context: int = 0
+
+    def label(self) -> str:
+        if not self.lp_reqs:
+            return f"1 x {self.hp_context} alone"
+        return f"1 x {self.hp_context} + {self.lp_reqs} x {self.lp_context}"
+
+    def vllm_blocks(self, block_size: int) -> int:
+        """vLLM's blocks: the batch's, and the null block 0."""
+        return 1 + (self.hp_context + self.lp_reqs * self.lp_context) // block_size
+
+
+def priority_host_bytes(m: Model, b: PriorityBatch) -> int:
+    """One LayerBuffer's host copy for ``b``: every layer's vLLM blocks."""
+    return m.layers * b.vllm_blocks(m.block_size) * m.block_bytes
+
+
+def decode_attention(m: Model, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """One query per request ``[reqs, heads * dim]`` over ``kv`` ``[2, reqs, kv_heads, tokens, dim]``
+    (the query heads sharing a KV head folded into the query length, as the decode rows)."""
+    reqs = q.shape[0]
+    q = q.reshape(reqs, m.kv_heads, -1, m.head_dim).contiguous()
+    return F.scaled_dot_product_attention(q, kv[0], kv[1]).reshape(reqs, m.heads * m.head_dim)
+
+
+class PriorityStep:
+    """A priority batch's block table and slot mapping in a fake vLLM forward context, and the synthetic
+    layer reading its KV through them.
+
+    The layer reads the block ids and slots from the device tensors each time it runs: LayerBuffer
+    rewrites them in place between layers (pinned blocks to the layer's private ids), as vLLM's.
+    """
+
+    def __init__(self, acc: Accel, m: Model, batch: PriorityBatch, gen: torch.Generator) -> None:
+        self.acc, self.m, self.batch = acc, m, batch
+        bs, lp_reqs = m.block_size, batch.lp_reqs
+        self.n_hp, self.n_lp = batch.hp_context // bs, batch.lp_context // bs
+        # Scattered ids from 1: vLLM's block 0 is its null block (table padding names it).
+        self.num_blocks = batch.vllm_blocks(bs)
+        ids = torch.randperm(self.num_blocks - 1, generator=gen) + 1
+        hp, lp = ids[: self.n_hp], ids[self.n_hp:].view(lp_reqs, self.n_lp)
+        self.hp_blocks, self.lp_blocks = hp.tolist(), lp.flatten().tolist()
+        new = torch.cat((hp[-1:], lp[:, -1:].flatten()))
+        self.new_blocks = new.tolist()  # the blocks the new tokens land in
+        table = torch.zeros(1 + lp_reqs, max(self.n_hp, self.n_lp), dtype=torch.int32)
+        table[0, : self.n_hp], table[1:, : self.n_lp] = hp, lp
+        self.block_table = table.to(acc.device)
+        self.slot_mapping = (new * bs + bs - 1).to(acc.device)
+        self.names = [f"layer.{i}" for i in range(m.layers)]
+        # What LayerBuffer reads: one KV cache group, so every layer shares the two tensors.
+        meta = SimpleNamespace(block_table=self.block_table, slot_mapping=self.slot_mapping)
+        self.forward_context = SimpleNamespace(attn_metadata={n: meta for n in self.names},
+                                               slot_mapping={n: self.slot_mapping for n in self.names})
+
+    @property
+    def context_blocks(self) -> list[int]:
+        """Every block of the batch: each holds tokens from before the step (the scheduler's ``resident``)."""
+        return self.hp_blocks + self.lp_blocks
+
+    @staticmethod
+    def expected(layer: int) -> float:
+        return float(layer + 1)
+
+    def forward_layer(self, w: Weights, x: torch.Tensor, layer: int, cache: torch.Tensor,
+                      check: torch.Tensor | None) -> torch.Tensor:
+        """``check``: ``[layers, 2]``, set to whether the high- and the low-priority requests read the
+        layer's constant at their context and the new token (minus the constant, written here) last."""
+        m, bs = self.m, self.m.block_size
+        q, k, v = project(m, w, x)
+        if check is not None:
+            k = v = torch.full_like(k, -self.expected(layer))
+        blocks, offsets = self.slot_mapping // bs, self.slot_mapping % bs  # vLLM's cache update
+        cache[blocks, 0, offsets] = k.reshape(-1, m.kv_heads, m.head_dim)
+        cache[blocks, 1, offsets] = v.reshape(-1, m.kv_heads, m.head_dim)
+        hp = gathered(m, cache, self.block_table[0, : self.n_hp], 1)
+        o = decode_attention(m, q[:1], hp)
+        if self.batch.lp_reqs:
+            lp = gathered(m, cache, self.block_table[1:, : self.n_lp].flatten(), self.batch.lp_reqs)
+            o = torch.cat((o, decode_attention(m, q[1:], lp)))
+        if check is not None:
+            check[layer, 0] = self._reads_ok(hp, layer)
+            check[layer, 1] = self._reads_ok(lp, layer) if self.batch.lp_reqs else 1.0
+        return finish(m, w, x, o)
+
+    def _reads_ok(self, kv: torch.Tensor, layer: int) -> torch.Tensor:
+        e = self.expected(layer)
+        return ((kv[..., :-1, :] == e).all() & (kv[..., -1, :] == -e).all()).float()
+
+    def run_resident(self, w: Weights, x0: torch.Tensor, views: list[torch.Tensor]) -> float:
+        """One timed forward over ``views`` (layer l on buffer l % S), nothing moved: ``resident``."""
+        def enqueue(start) -> None:
+            x = x0
+            for layer, cache in enumerate(views):
+                x = self.forward_layer(w, x, layer, cache, None)
+
+        with self.acc.attention_backends():
+            return timed(self.acc, enqueue)
+
+
+class PriorityBuffer:
+    """vllm_aio's LayerBuffer on S buffers for a priority batch: every request streamed, or (``pinned``)
+    the high-priority request's blocks kept resident in every layer at private slots 0 .. n-1."""
+
+    def __init__(self, step: PriorityStep, s: int, staging_bytes: int, pinned: bool) -> None:
+        self.step, self.pinned = step, pinned
+        m = step.m
+        resident_blocks = step.n_hp if pinned else 0
+        total = step.num_blocks + private_blocks(m.layers, s, resident_blocks)
+        self.backing = torch.zeros(s, total, 2, m.block_size, m.kv_heads, m.head_dim, dtype=DTYPE,
+                                   device=step.acc.device)
+        self.views = [self.backing[i % s] for i in range(m.layers)]
+        self.lb = LayerBuffer(dict(zip(step.names, self.views)), step.names, total, s, staging_bytes,
+                              resident_blocks=resident_blocks, block_tokens=m.block_size)
+        if pinned:
+            self.bstep = BufferStep(resident=step.lp_blocks, written=step.new_blocks,
+                                    pinned=list(zip(step.hp_blocks, range(step.n_hp))))
+        else:
+            self.bstep = BufferStep(resident=step.context_blocks, written=step.new_blocks)
+        # The step that fills the private copies from the host copy (run once before the timed ones).
+        self.first = replace(self.bstep, promoted=step.hp_blocks) if pinned else self.bstep
+
+    def run(self, w: Weights, x0: torch.Tensor, bstep: BufferStep | None = None,
+            check: torch.Tensor | None = None) -> float:
+        """One timed step (``self.bstep`` unless ``bstep``), driven as the worker drives LayerBuffer."""
+        step, lb = self.step, self.lb
+
+        def enqueue(start) -> None:
+            lb.begin_step(bstep or self.bstep, step.forward_context)  # loads layers 0 .. S-1, remaps layer 0
+            x = x0
+            for layer, cache in enumerate(self.views):
+                x = step.forward_layer(w, x, layer, cache, check)
+                lb.layer_done(layer)
+                if layer + 1 < len(self.views):
+                    lb.before_layer(layer + 1)
+            lb.end_step()
+
+        with step.acc.attention_backends():
+            return timed(step.acc, enqueue)
+
+    def check(self, w: Weights, x0: torch.Tensor) -> str:
+        """Host copy = the layer's constant at every block, device buffers zeroed: each layer must read its
+        constant (a pinned request: from its private copy, which the first step promotes) and the host copy
+        must get the new tokens back. Pinned, a second step follows with the pinned blocks zeroed in the
+        host copy: they must still be read, and written back, from the private copies."""
+        step = self.step
+        table = step.block_table.clone()
+        self.backing.zero_()
+        for i, name in enumerate(step.names):
+            host = self.lb.host_caches[name]
+            host.zero_()
+            host[step.context_blocks] = step.expected(i)
+        failed = self._step_fails(w, x0, self.first)
+        if self.pinned and not failed:
+            for name in step.names:
+                self.lb.host_caches[name][step.hp_blocks] = 0
+            failed = self._step_fails(w, x0, self.bstep)
+        if not failed and not torch.equal(step.block_table, table):
+            failed = "the block table not restored after the step"
+        return f"FAILED ({failed})" if failed else "ok"
+
+    def _step_fails(self, w: Weights, x0: torch.Tensor, bstep: BufferStep) -> str:
+        """What one checked step got wrong ("" if nothing)."""
+        step, bs = self.step, self.step.m.block_size
+        got = torch.zeros(step.m.layers, 2, device=step.acc.device)
+        self.run(w, x0, bstep, check=got)
+        bad = (got.cpu() != 1).nonzero().tolist()
+        bad_wb = []
+        for i, name in enumerate(step.names):
+            new, e = self.lb.host_caches[name][step.new_blocks].float(), step.expected(i)  # [n, K/V, tokens, ..]
+            if not bool((new[:, :, : bs - 1] == e).all() & (new[:, :, bs - 1] == -e).all()):
+                bad_wb.append(i)
+        if not bad and not bad_wb:
+            return ""
+        return (f"high-priority reads at layers {[i for i, g in bad if g == 0][:8]}, low-priority at "
+                f"{[i for i, g in bad if g == 1][:8]}, write-back at {bad_wb[:8]}")
+
+
 def real_s_values(args, host_bytes: int) -> list[int]:
     """The S values the real code runs for a batch whose LayerBuffer host copy is ``host_bytes``."""
     if host_bytes > args.real_max_gib * GiB:
@@ -530,6 +726,53 @@ def run_checks(acc: Accel, m: Model, batches: list[Batch], host_pool: torch.Tens
     return out
 
 
+def run_priority_checks(acc: Accel, m: Model, batches: list[PriorityBatch], w: Weights, args,
+                        gen: torch.Generator) -> dict:
+    out = {}
+    for b in batches:
+        step = PriorityStep(acc, m, b, gen)
+        x0 = random_rows(m, 1 + b.lp_reqs, gen, acc.device)
+        out[f"priority {b.label()}"] = {
+            f"vllm_aio S={PRIORITY_BUFFERS} {mode}": PriorityBuffer(step, PRIORITY_BUFFERS, args.real_staging_bytes,
+                                                                   mode == "pinned").check(w, x0)
+            for mode in ("streamed", "pinned")
+        }
+    return out
+
+
+def measure_priority(acc: Accel, m: Model, b: PriorityBatch, w: Weights, args, gen: torch.Generator) -> dict:
+    """resident, streamed and pinned interleaved within each repetition; per-step medians."""
+    step = PriorityStep(acc, m, b, gen)
+    x0 = random_rows(m, 1 + b.lp_reqs, gen, acc.device)
+    real = {mode: PriorityBuffer(step, PRIORITY_BUFFERS, args.real_staging_bytes, mode == "pinned")
+            for mode in ("streamed", "pinned")}
+    real["pinned"].run(w, x0, real["pinned"].first)  # fills the private copies, untimed
+    runs = {"resident": lambda: step.run_resident(w, x0, real["streamed"].views),
+            **{mode: (lambda rb=rb: rb.run(w, x0)) for mode, rb in real.items()}}
+    samples: dict[str, list[float]] = {mode: [] for mode in runs}
+    for rep in range(args.warmup + args.decode_repeats):
+        for mode, run in runs.items():
+            t = run()
+            if rep >= args.warmup:
+                samples[mode].append(t)
+    med = {mode: statistics.median(v) for mode, v in samples.items()}
+    row = {
+        "batch": b.label(), "hp_context": b.hp_context, "lp_reqs": b.lp_reqs, "lp_context": b.lp_context,
+        "streamed_MiB_per_layer": len(real["streamed"].bstep.resident) * m.block_bytes / MiB,
+        "pinned_streamed_MiB_per_layer": len(real["pinned"].bstep.resident) * m.block_bytes / MiB,
+        "host_copy_GiB": priority_host_bytes(m, b) / GiB, "resident_blocks": step.n_hp,
+        "resident_ms": med["resident"], "streamed_ms": med["streamed"], "pinned_ms": med["pinned"],
+        "pinned_over_resident": med["pinned"] / med["resident"],
+        "streamed_over_resident": med["streamed"] / med["resident"], "samples_ms": samples,
+    }
+    for rb in real.values():
+        rb.lb.close()  # the page-locked host copies go now, not at the next collection
+    del real, step
+    if acc.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
 def print_table(rows: list[dict], s_values: list[int]) -> None:
     head = ["phase", "batch", "load MiB/layer", "write-back MiB/layer", "c / t / w ms per layer", "resident ms",
             "transfer ms", "ideal ms"] + [f"S={s} ms" for s in s_values] + \
@@ -571,6 +814,18 @@ def print_real_table(rows: list[dict], real_s: list[int]) -> None:
     print_markdown(head, body, left=2)
 
 
+def print_priority_table(rows: list[dict]) -> None:
+    s = PRIORITY_BUFFERS
+    head = ["batch (high + low priority, tokens of context)", "streamed MiB/layer (streamed / pinned)",
+            "resident ms", f"vllm_aio S={s} streamed ms", f"vllm_aio S={s} pinned ms", "pinned/resident",
+            "streamed/resident"]
+    print_markdown(head, [[
+        r["batch"], f"{r['streamed_MiB_per_layer']:g} / {r['pinned_streamed_MiB_per_layer']:g}",
+        f"{r['resident_ms']:.2f}", f"{r['streamed_ms']:.2f}", f"{r['pinned_ms']:.2f}",
+        f"{r['pinned_over_resident']:.2f}", f"{r['streamed_over_resident']:.2f}",
+    ] for r in rows], left=1)
+
+
 def parse_batches(text: str, phase: str) -> list[Batch]:
     """prefill: ``reqs x new [+prefix] [/frag]``; decode: ``reqs x context [/frag]``, comma-separated."""
     out = []
@@ -584,6 +839,24 @@ def parse_batches(text: str, phase: str) -> list[Batch]:
         else:
             new, _, prefix = rest.partition("+")
             out.append(Batch("prefill", int(reqs), int(new), int(prefix or 0), frag == "frag"))
+    return out
+
+
+def parse_priority(text: str, m: Model) -> list[PriorityBatch]:
+    """``1xHP_CONTEXT[+REQSxLP_CONTEXT]``, comma-separated; each high-priority context also alone (first)."""
+    out: list[PriorityBatch] = []
+    for item in filter(None, text.split(",")):
+        hp, _, lp = item.partition("+")
+        reqs, hp_context = (int(v) for v in hp.split("x"))
+        lp_reqs, lp_context = (int(v) for v in lp.split("x")) if lp else (0, 0)
+        lp_context = lp_context if lp_reqs else 0
+        contexts = (hp_context, lp_context) if lp_reqs else (hp_context,)
+        if reqs != 1 or lp_reqs < 0 or any(c <= 0 or c % m.block_size for c in contexts):
+            raise SystemExit(f"--priority {item}: one high-priority request; contexts of whole blocks "
+                             f"of {m.block_size} tokens")
+        for b in (PriorityBatch(hp_context), PriorityBatch(hp_context, lp_reqs, lp_context)):
+            if b not in out:
+                out.append(b)
     return out
 
 
@@ -613,6 +886,11 @@ def main() -> int:
                         help="BufferStep.resident: the blocks holding earlier tokens (what the scheduler half "
                              "sends, = the idealised load set), or every block of the request (the stress case: "
                              "prefill also loads the blocks it then overwrites)")
+    parser.add_argument("--priority", default="1x16384+32x2048,1x16384+8x2048",
+                        help="decode batches of one high-priority request beside low-priority ones, "
+                             "1xHP_CONTEXT+REQSxLP_CONTEXT (each high-priority context also runs alone); two "
+                             "LayerBuffers at once, each host copy L x blocks x page at most --real-max-gib")
+    parser.add_argument("--priority-check", default="1x1024+4x512", help="priority batches to check")
     args = parser.parse_args()
     acc = Accel(args.device)
     m = TINY if args.quick else LLAMA3_8B
@@ -622,6 +900,7 @@ def main() -> int:
         args.host_gib, args.s_values = 1 / 16, "2,3"
         args.repeats, args.decode_repeats = min(args.repeats, 2), min(args.decode_repeats, 2)
         args.real_staging_mib = min(args.real_staging_mib, 16)
+        args.priority, args.priority_check = "1x256+4x128", "1x64+2x32"
     args.s_values = [int(s) for s in args.s_values.split(",")]
     args.real_s_values = [int(s) for s in args.real_s_values.split(",") if s]
     args.real_staging_bytes = args.real_staging_mib * MiB
@@ -629,6 +908,11 @@ def main() -> int:
         raise SystemExit("--s-values must include 2")
     batches = parse_batches(args.prefill, "prefill") + parse_batches(args.decode, "decode")
     checks = [b for item in args.check.split(",") for b in parse_batches(item.split(":")[1], item.split(":")[0])]
+    priority = parse_priority(args.priority, m)
+    priority_checks = parse_priority(args.priority_check, m)
+    too_big = [b.label() for b in priority if priority_host_bytes(m, b) > args.real_max_gib * GiB]
+    if too_big:
+        raise SystemExit(f"--priority {too_big}: a LayerBuffer host copy above --real-max-gib {args.real_max_gib:g}")
     copy_bytes = (8 * MiB) if args.quick else GiB
     started = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
@@ -642,6 +926,7 @@ def main() -> int:
     print(f"  one {copy_bytes // MiB} MiB pinned copy: H2D {bw['h2d_GBps']:.1f} GB/s, D2H {bw['d2h_GBps']:.1f} GB/s, "
           f"both at once {bw['bidir_GBps']:.1f} GB/s in total", flush=True)
     check = run_checks(acc, m, checks, host_pool, w, args, gen)
+    check.update(run_priority_checks(acc, m, priority_checks, w, args, gen))
     print(f"  checks: {check}", flush=True)
     rows = []
     for b in batches:
@@ -651,6 +936,12 @@ def main() -> int:
               + " ".join(f"S={s} {r[f'S{s}_ms']:.1f}" for s in args.s_values)
               + "".join(f" vllm_aio S={s} {r['real'][f'S{s}']['ms']:.1f}" for s in args.real_s_values
                         if f"S{s}" in r["real"]) + " ms", flush=True)
+    priority_rows = []
+    for b in priority:
+        priority_rows.append(measure_priority(acc, m, b, w, args, gen))
+        r = priority_rows[-1]
+        print(f"  priority {b.label()}: resident {r['resident_ms']:.2f} streamed {r['streamed_ms']:.2f} "
+              f"pinned {r['pinned_ms']:.2f} ms", flush=True)
     print(f"\n{m.name} ({m.layers} layers, {m.kv_heads} KV heads x {m.head_dim}, bf16, block {m.block_size}: "
           f"{m.block_bytes // 1024} KiB per block per layer), {acc.describe()}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; per-step medians ({args.repeats} prefill, {args.decode_repeats} decode "
@@ -669,9 +960,17 @@ def main() -> int:
           f"registered exactly); forward-thread host ms per step (median) inside "
           f"LayerBuffer: host gathers for loads / scatters into the host copy / waits on events\n")
     print_real_table(rows, args.real_s_values)
+    print(f"\nHigh-priority requests kept resident: decode steps of one high-priority request beside "
+          f"low-priority ones, every request decoding one token; per-step medians ({args.decode_repeats} "
+          f"repetitions, modes interleaved). resident: the forward alone; vllm_aio S={PRIORITY_BUFFERS} "
+          f"streamed: LayerBuffer, every request streamed; pinned: LayerBuffer(resident_blocks = the "
+          f"high-priority request's blocks), its blocks read and written in place at the layer's private ids "
+          f"(filled once before timing), the others streamed. Question: pinned/resident <= 1.2?\n")
+    print_priority_table(priority_rows)
     write_results(args.json, "dynamic_buffer", started, device=acc.describe(), torch=torch.__version__,
                   model=asdict(m), bandwidth=bw, checks=check,
-                  args={k: v for k, v in vars(args).items() if k != "json"}, rows=rows)
+                  args={k: v for k, v in vars(args).items() if k != "json"}, rows=rows,
+                  priority_rows=priority_rows)
     return 0
 
 
