@@ -533,12 +533,14 @@ class PriorityStep:
         e = self.expected(layer)
         return ((kv[..., :-1, :] == e).all() & (kv[..., -1, :] == -e).all()).float()
 
-    def run_resident(self, w: Weights, x0: torch.Tensor, views: list[torch.Tensor]) -> float:
-        """One timed forward over ``views`` (layer l on buffer l % S), nothing moved: ``resident``."""
+    def run_resident(self, w: Weights, x0: torch.Tensor, cache: torch.Tensor) -> float:
+        """One timed forward over ``cache`` ``[layers, blocks, ...]``, every layer in memory of its own
+        and nothing moved: ``resident``. (Layers sharing S buffers would read less distinct memory than
+        a resident cache does: a buffer's region is about the L2's size at these contexts.)"""
         def enqueue(start) -> None:
             x = x0
-            for layer, cache in enumerate(views):
-                x = self.forward_layer(w, x, layer, cache, None)
+            for layer in range(self.m.layers):
+                x = self.forward_layer(w, x, layer, cache[layer], None)
 
         with self.acc.attention_backends():
             return timed(self.acc, enqueue)
@@ -747,7 +749,8 @@ def measure_priority(acc: Accel, m: Model, b: PriorityBatch, w: Weights, args, g
     real = {mode: PriorityBuffer(step, PRIORITY_BUFFERS, args.real_staging_bytes, mode == "pinned")
             for mode in ("streamed", "pinned")}
     real["pinned"].run(w, x0, real["pinned"].first)  # fills the private copies, untimed
-    runs = {"resident": lambda: step.run_resident(w, x0, real["streamed"].views),
+    resident = torch.zeros(m.layers, *real["streamed"].views[0].shape, dtype=DTYPE, device=acc.device)
+    runs = {"resident": lambda: step.run_resident(w, x0, resident),
             **{mode: (lambda rb=rb: rb.run(w, x0)) for mode, rb in real.items()}}
     samples: dict[str, list[float]] = {mode: [] for mode in runs}
     for rep in range(args.warmup + args.decode_repeats):
@@ -767,7 +770,7 @@ def measure_priority(acc: Accel, m: Model, b: PriorityBatch, w: Weights, args, g
     }
     for rb in real.values():
         rb.lb.close()  # the page-locked host copies go now, not at the next collection
-    del real, step
+    del real, step, resident
     if acc.device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -962,7 +965,8 @@ def main() -> int:
     print_real_table(rows, args.real_s_values)
     print(f"\nHigh-priority requests kept resident: decode steps of one high-priority request beside "
           f"low-priority ones, every request decoding one token; per-step medians ({args.decode_repeats} "
-          f"repetitions, modes interleaved). resident: the forward alone; vllm_aio S={PRIORITY_BUFFERS} "
+          f"repetitions, modes interleaved). resident: the forward alone, every layer's KV in memory of "
+          f"its own (as a cache without the buffer); vllm_aio S={PRIORITY_BUFFERS} "
           f"streamed: LayerBuffer, every request streamed; pinned: LayerBuffer(resident_blocks = the "
           f"high-priority request's blocks), its blocks read and written in place at the layer's private ids "
           f"(filled once before timing), the others streamed. Question: pinned/resident <= 1.2?\n")
