@@ -12,7 +12,7 @@ import torch
 from devices import CUDA as CUDA_DEVICES
 from devices import params
 from vllm_aio import device as device_module
-from vllm_aio.device import Device
+from vllm_aio.device import LINK_COPY_MIN_ROWS, Device
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -131,7 +131,8 @@ def registered(t: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("name", params("cpu", *CUDA_DEVICES))
 @pytest.mark.parametrize(("dst_indexed", "src_indexed"), [(True, True), (True, False), (False, True)])
-def test_copy_rows_moves_indexed_rows_between_mapped_host_memory_and_the_device(name, dst_indexed, src_indexed):
+@pytest.mark.parametrize("rows", [32, LINK_COPY_MIN_ROWS])  # the link kernel on CUDA, and torch's for a few rows
+def test_copy_rows_moves_indexed_rows_between_mapped_host_memory_and_the_device(name, dst_indexed, src_indexed, rows):
     device = Device(torch.device(name))
     pages = mmap.mmap(-1, 64 * 1040 * 8)  # 64 rows of 1,040 words: a width that is no multiple of the kernel's block
     mapped = device.map_host(ctypes.addressof(ctypes.c_char.from_buffer(pages)), len(pages))
@@ -140,16 +141,16 @@ def test_copy_rows_moves_indexed_rows_between_mapped_host_memory_and_the_device(
         host.copy_(torch.arange(64 * 1040, dtype=torch.int64).view(64, 1040))
         on_device = torch.full((32, 1048), -1, dtype=torch.int64, device=device.torch_device)
         dst = on_device[:, 8:]  # strided rows, as the slots' payloads behind their headers
-        src_ids, dst_ids = torch.randperm(64)[:32], torch.randperm(32)
+        src_ids, dst_ids = torch.randperm(64)[:rows], torch.randperm(32)[:rows]
         device.copy_rows(dst, dst_ids.to(name) if dst_indexed else None, host, src_ids.to(name) if src_indexed else None)
         device.synchronize(device.record())
-        got = dst.cpu()[dst_ids if dst_indexed else torch.arange(32)]
-        want = host.cpu()[src_ids if src_indexed else torch.arange(32)]
+        got = dst.cpu()[dst_ids if dst_indexed else torch.arange(rows)]
+        want = host.cpu()[src_ids if src_indexed else torch.arange(rows)]
         assert torch.equal(got, want)
         assert (on_device[:, :8] == -1).all()  # nothing outside the rows' columns
-        device.copy_rows(host, src_ids.to(name), dst, None)  # and back, into the mapped rows
+        device.copy_rows(host, src_ids.to(name), dst[:rows], None)  # and back, into the mapped rows
         device.synchronize(device.record())
-        assert torch.equal(host.cpu()[src_ids], dst.cpu())
+        assert torch.equal(host.cpu()[src_ids], dst[:rows].cpu())
     finally:
         del host
         mapped.release()

@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
+# Row copies of at most this many rows use torch's index kernels on CUDA too (``Device.copy_rows``).
+LINK_COPY_MIN_ROWS = 16
+
 
 class Device:
     def __init__(self, device: torch.device) -> None:
@@ -133,9 +136,11 @@ class Device:
 
         CUDA with Triton: a kernel of a few programs (``link_copy.py``), which
         waits on the link without holding the SMs the forward computes on;
-        elsewhere torch's index kernels.
+        elsewhere, and for a few rows (whose copy is shorter than a Triton
+        launch's ~70 us of host time), torch's index kernels.
         """
-        if self.torch_device.type == "cuda" and link_copy.available():
+        rows = len(dst_index if dst_index is not None else src_index if src_index is not None else src)
+        if self.torch_device.type == "cuda" and rows > LINK_COPY_MIN_ROWS and link_copy.available():
             link_copy.copy_rows(dst, dst_index, src, src_index)
             return
         if dst_index is None and src_index is not None and dst.is_contiguous():

@@ -167,6 +167,7 @@ class LayerBuffer:
         self._layer_names = list(layer_names)
         self._pinned_before = False  # the first resident step is logged
         self._resident = self._written = self._promoted = self._pinned_written = _NOTHING
+        self._streams = False
 
     @property
     def host_bytes(self) -> int:
@@ -199,8 +200,13 @@ class LayerBuffer:
             self._remap.begin(self.device.indices(list(blocks)), self.device.indices(list(slots)))
             self._remap.attach(forward_context, self._layer_names)
         self._loaded.clear()
-        for layer in range(min(self.buffers, self.num_layers)):
-            self._load(layer)
+        # Whether the layers move blocks: a step whose blocks are all pinned (and none promoted) needs
+        # no per-layer copies or events; the forward thread then only points the tables at each pass.
+        self._streams = any((self._resident.runs, self._resident.chunks, self._written.runs, self._written.chunks,
+                             self._promoted.chunks))
+        if self._streams:
+            for layer in range(min(self.buffers, self.num_layers)):
+                self._load(layer)
         self.before_layer(0)
 
     def before_layer(self, layer: int) -> None:
@@ -212,6 +218,8 @@ class LayerBuffer:
 
     def layer_done(self, layer: int) -> None:
         """Layer ``layer`` has written its K/V: save them, then reuse its buffer."""
+        if not self._streams:  # every block of the step is pinned: the layers need no copies
+            return
         self._retire()  # earlier write-backs that have landed: into the host copy now
         self._write_back(layer)
         if layer + self.buffers < self.num_layers:
@@ -219,6 +227,7 @@ class LayerBuffer:
 
     def end_step(self) -> None:
         """Host memory holds every block the step wrote (the pool may read it); vLLM's tables are its own."""
+        self._write_back_pinned()
         if self._remap is not None:
             self._remap.end()
         self._drain()
@@ -297,8 +306,6 @@ class LayerBuffer:
 
     def _write_back(self, layer: int) -> None:
         host, dev = self._host_layout.planes[layer], self._device_layout.planes[layer]
-        base = self._private_base(layer)
-        chunks = [*self._written.chunks, *self._pinned_written.chunks]
         computed = self.device.record()  # the compute stream, after this layer's attention
         with self.device.on(self._stream):
             # Even with nothing to write back: the next load into this buffer must follow the attention.
@@ -306,12 +313,27 @@ class LayerBuffer:
             for start, stop in self._written.runs:
                 for d, h in zip(dev, host):
                     h.blocks[start:stop].copy_(d.blocks[start:stop], non_blocking=True)
-            if self._mapped_layout is not None:  # scattered blocks: a kernel writes the host copy
+        self._copy_out(layer, self._written.chunks)
+
+    def _write_back_pinned(self) -> None:
+        """The pinned blocks the step wrote, every layer at once after the forward: no layer reuses
+        their private places within the step, and the next step starts after ``end_step``."""
+        if not self._pinned_written.chunks:
+            return
+        self.device.wait(self.device.record(), self._stream)
+        for layer in range(self.num_layers):
+            self._copy_out(layer, self._pinned_written.chunks)
+
+    def _copy_out(self, layer: int, chunks: Sequence[_Chunk]) -> None:
+        """Scattered blocks of ``layer`` into the host copy, on the transfer stream (after what it waits for)."""
+        dev, base = self._device_layout.planes[layer], self._private_base(layer)
+        if self._mapped_layout is not None:  # a kernel writes the host copy
+            with self.device.on(self._stream):
                 for chunk in chunks:
                     cache_ids = chunk.cache_ids(base)
                     for d, m in zip(dev, self._mapped_layout.planes[layer]):
                         self.device.copy_rows(_words(m.blocks), chunk.device_ids, _words(d.blocks), cache_ids)
-                return
+            return
         for chunk in chunks:
             n = len(chunk.ids)
             piece = self._slice(n * self._host_layout.layer_bytes(layer))
