@@ -305,6 +305,16 @@ def test_pinned_blocks_are_read_and_written_at_each_layers_private_place(device,
     assert model.host_matches([5, 6])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_prefill_of_many_pinned_blocks_is_written_back_whole(device):
+    # More written pinned blocks than PINNED_COPY_ROWS: the batched copies, not one per block.
+    model = ResidentModel(device, 6, 2, resident=12)
+    pinned = [(b, b - 1) for b in range(1, 12)]
+    assert model.step(read=[], written=list(range(1, 12)), pinned=pinned) == []
+    assert model.host_matches(list(range(1, 12)))
+    assert model.step(read=list(range(1, 12)), written=[11], pinned=pinned) == []
+
+
 def test_pinned_blocks_need_the_remap():
     # Negative control: without pointing the tables at the private blocks, attention reads stale KV.
     model = ResidentModel("cpu", 6, 2, resident=4)

@@ -94,6 +94,8 @@ logger = get_logger(__name__)
 # A run of consecutive blocks whose every plane is at least this large is
 # copied in place, host copy <-> device buffer, without staging.
 DIRECT_COPY_BYTES = 1 << 20
+# At most this many pinned blocks written in a step are written back one copy each.
+PINNED_COPY_ROWS = 8
 # Each layer's region of the host copy starts on a page.
 _HOST_ALIGN = 4096
 
@@ -167,6 +169,7 @@ class LayerBuffer:
         self._layer_names = list(layer_names)
         self._pinned_before = False  # the first resident step is logged
         self._resident = self._written = self._promoted = self._pinned_written = _NOTHING
+        self._pinned_rows: list[tuple[int, int]] = []  # the step's written pinned blocks: (block id, slot)
         self._streams = False
 
     @property
@@ -187,7 +190,9 @@ class LayerBuffer:
             slot_of = dict(step.pinned)
             self._written = self._plan([b for b in step.written if b not in slot_of])
             self._promoted = self._pinned_plan(step.promoted, slot_of)
-            self._pinned_written = self._pinned_plan([b for b in step.written if b in slot_of], slot_of)
+            written = sorted({b for b in step.written if b in slot_of})
+            self._pinned_written = self._pinned_plan(written, slot_of)
+            self._pinned_rows = [(b, slot_of[b]) for b in written]
         if step.pinned:
             if self._remap is None:
                 raise RuntimeError("dynamic buffer: pinned blocks without dynamic_buffer_resident_blocks")
@@ -263,8 +268,9 @@ class LayerBuffer:
 
     def _pinned_plan(self, block_ids: Sequence[int], slot_of: Mapping[int, int]) -> _Plan:
         """Pinned blocks, moved between the host copy and their private places (never in place)."""
-        ids = torch.as_tensor(sorted(set(block_ids)), dtype=torch.int64)
-        slots = torch.as_tensor([slot_of[int(b)] for b in ids], dtype=torch.int64)
+        unique = sorted(set(block_ids))
+        ids = torch.as_tensor(unique, dtype=torch.int64)
+        slots = torch.as_tensor([slot_of[b] for b in unique], dtype=torch.int64)
         chunks = [
             _Chunk(ids[a:b], self._to_device(ids[a:b]), self._to_device(slots[a:b]))
             for a, b in even_ranges(len(ids), self._chunk_blocks)
@@ -318,11 +324,20 @@ class LayerBuffer:
     def _write_back_pinned(self) -> None:
         """The pinned blocks the step wrote, every layer at once after the forward: no layer reuses
         their private places within the step, and the next step starts after ``end_step``."""
-        if not self._pinned_written.chunks:
+        if not self._pinned_rows:
             return
         self.device.wait(self.device.record(), self._stream)
-        for layer in range(self.num_layers):
-            self._copy_out(layer, self._pinned_written.chunks)
+        if len(self._pinned_rows) > PINNED_COPY_ROWS:
+            for layer in range(self.num_layers):
+                self._copy_out(layer, self._pinned_written.chunks)
+            return
+        # A few blocks (decodes): one copy per block and plane, no index kernels (three launches a layer).
+        with self.device.on(self._stream):
+            for layer in range(self.num_layers):
+                base = self._private_base(layer)
+                for h, d in zip(self._host_layout.planes[layer], self._device_layout.planes[layer]):
+                    for block, slot in self._pinned_rows:
+                        h.blocks[block].copy_(d.blocks[base + slot], non_blocking=True)
 
     def _copy_out(self, layer: int, chunks: Sequence[_Chunk]) -> None:
         """Scattered blocks of ``layer`` into the host copy, on the transfer stream (after what it waits for)."""
