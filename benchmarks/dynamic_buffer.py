@@ -889,7 +889,7 @@ def main() -> int:
                         help="BufferStep.resident: the blocks holding earlier tokens (what the scheduler half "
                              "sends, = the idealised load set), or every block of the request (the stress case: "
                              "prefill also loads the blocks it then overwrites)")
-    parser.add_argument("--priority", default="1x16384+32x2048,1x16384+8x2048",
+    parser.add_argument("--priority", default="1x16384+8x512,1x16384+32x2048,1x4096+4x256",
                         help="decode batches of one high-priority request beside low-priority ones, "
                              "1xHP_CONTEXT+REQSxLP_CONTEXT (each high-priority context also runs alone); two "
                              "LayerBuffers at once, each host copy L x blocks x page at most --real-max-gib")
