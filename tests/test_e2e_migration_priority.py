@@ -135,8 +135,13 @@ def test_pressured_instance_moves_its_high_priority_request_which_completes_unch
     got_high, seconds, got_lows = scenario(router, model)
     moves = requests.get(f"{router}/router/status", timeout=10).json()["moves"]
     assert moves, "nothing moved: was A pressured?"
-    first = moves[0]
-    assert first["priority"] == HIGH and first["source"] == a.url and first["target"] == cluster["b"].url
+    # The policy moves the most important request it can move at the time: on a loaded machine A
+    # may be pressured before the high-priority request is there (or past its prefill), and a
+    # low-priority request goes first; the high-priority one must still move.
+    high = [m for m in moves if m["priority"] == HIGH]
+    assert high, f"the high-priority request never moved: {moves}"
+    first = high[0]
+    assert first["source"] == a.url and first["target"] == cluster["b"].url, first
     assert first["mode"] == "copy" and not first["stalled"] and first["after_tokens"] > 0, first
     assert got_high == want[0], f"first difference at token {first_difference(got_high, want[0])}"
     assert got_lows == want[1:]
