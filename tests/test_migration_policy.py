@@ -22,6 +22,13 @@ def test_waiting_at_two_polls_running_is_pressure():
     assert pressured(BUSY, BUSY)
 
 
+def test_waiting_with_room_in_the_kv_cache_is_no_pressure():
+    # Requests wait for the step's token budget too (a burst of prefills): no move relieves that.
+    roomy = Load(waiting=2, preemptions=3, kv_usage=0.77, kv_blocks=56)
+    assert not pressured(roomy, roomy)
+    assert not pressured(roomy, BUSY)
+
+
 def test_waiting_at_one_poll_only_is_no_pressure():
     calm_before = Load(0, 3, 0.5, 100)
     assert not pressured(calm_before, BUSY)

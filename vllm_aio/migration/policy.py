@@ -1,8 +1,12 @@
 """Migration by priority: which in-flight request moves, and where (pure decisions; the router acts on them).
 
 An instance is *pressured* when vLLM preempted requests since the last poll,
-or requests waited at two polls running (one poll alone would count a request
-in transit between its arrival and its first scheduling step). From each
+or requests waited at two polls running while its KV cache was nearly full
+(``KV_FULL``). One poll alone would count a request in transit between its
+arrival and its first scheduling step; and requests wait for the step's token
+budget too (prefills of a burst of prompts, for seconds on a busy CPU), which
+no move relieves: a CI run moved a low-priority request away from a cache a
+quarter free before the high-priority one had even arrived. From each
 pressured instance the most important in-flight request moves first, in
 vLLM's own order: lowest ``priority`` value, then earliest arrival (what
 ``--scheduling-policy priority`` serves first and preempts last). It goes to
@@ -33,10 +37,15 @@ class Load:
         return int(self.kv_blocks * (1.0 - self.kv_usage))
 
 
+# KV cache usage from which requests waiting at two polls count as pressure.
+KV_FULL = 0.9
+
+
 def pressured(before: Load | None, now: Load) -> bool:
     if before is None:  # a first poll has nothing to compare with
         return False
-    return now.preemptions > before.preemptions or (before.waiting > 0 and now.waiting > 0)
+    waiting = before.waiting > 0 and now.waiting > 0 and min(before.kv_usage, now.kv_usage) >= KV_FULL
+    return now.preemptions > before.preemptions or waiting
 
 
 @dataclass(frozen=True)
