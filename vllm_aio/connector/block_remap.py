@@ -35,7 +35,8 @@ BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN")
 
 @dataclass
 class _Table:
-    """One of vLLM's tensors naming blocks, in ``unit``s per vLLM block (1 for block ids, the block size for token slots)."""
+    """One of vLLM's tensors naming blocks, in ``unit``s per vLLM block (1 for block ids,
+    the block size for token slots)."""
 
     tensor: torch.Tensor
     original: torch.Tensor

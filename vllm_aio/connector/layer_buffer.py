@@ -150,9 +150,9 @@ class LayerBuffer:
         )
         self._device_layout = BlockLayout(device_caches, layer_names, num_blocks)
         self._host_layout = BlockLayout(self.host_caches, layer_names, self.num_blocks)
-        self._remap = (
-            BlockRemap(self.device, self.num_blocks, resident_blocks, buffers, block_tokens) if resident_blocks else None
-        )
+        self._remap = None
+        if resident_blocks:
+            self._remap = BlockRemap(self.device, self.num_blocks, resident_blocks, buffers, block_tokens)
         # The host copy as the device's kernels see it, where the device maps host memory.
         mapped = _device_views(self._host_memory, self.host_caches)
         self._mapped_layout = None if mapped is None else BlockLayout(mapped, layer_names, self.num_blocks)
