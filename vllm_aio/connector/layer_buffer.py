@@ -66,8 +66,10 @@ the step's ``pinned`` blocks live past vLLM's blocks, at private ids of each
 layer's buffer (``BlockRemap.private_base``), and vLLM's tables are pointed
 there layer by layer (``block_remap.py``). They are not loaded; a ``promoted``
 block is copied from the host copy to its private place in every layer (with
-that layer's load), and a written one is written back from there. The host copy
-covers vLLM's blocks only.
+that layer's load), and a written one is copied back from there once, after the
+forward (no layer reuses a private place within the step). A step whose blocks
+are all pinned does no per-layer copies at all. The host copy covers vLLM's
+blocks only.
 """
 
 from __future__ import annotations
