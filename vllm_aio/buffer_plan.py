@@ -28,7 +28,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from vllm_aio.config import ConfigError, parse_extra_config
+from vllm_aio.config import AioConfig, ConfigError, parse_extra_config
 from vllm_aio.log import get_logger
 from vllm_aio.registration import selects_aio
 
@@ -48,7 +48,8 @@ def register() -> None:
         return
 
     def plan(vllm_config, kv_cache_specs, available_memory):
-        buffers = dynamic_buffer_layers(vllm_config)
+        cfg = _aio_config(vllm_config)
+        buffers = cfg.dynamic_buffer_layers if cfg is not None else 0
         if not buffers:
             return original(vllm_config, kv_cache_specs, available_memory)
         refuse_unsupported(vllm_config)
@@ -60,7 +61,7 @@ def register() -> None:
             )
         scaled = [memory * num_layers // buffers for memory in available_memory]
         configs = [alias_layers(c, buffers) for c in original(vllm_config, kv_cache_specs, scaled)]
-        private = private_blocks(num_layers, buffers, resident_blocks(vllm_config))
+        private = private_blocks(num_layers, buffers, cfg.dynamic_buffer_resident_blocks)
         for config in configs:
             reserve_private(config, private)
         logger.info(
@@ -91,15 +92,14 @@ def register() -> None:
 
 def dynamic_buffer_layers(vllm_config: Any) -> int:
     """S from the AioConnector's extra config; 0 when off or another connector runs."""
+    cfg = _aio_config(vllm_config)
+    return cfg.dynamic_buffer_layers if cfg is not None else 0
+
+
+def _aio_config(vllm_config: Any) -> AioConfig | None:
+    """The AioConnector's config, parsed once per plan; None when another connector runs."""
     transfer = vllm_config.kv_transfer_config
-    if not selects_aio(transfer):
-        return 0
-    return parse_extra_config(transfer.kv_connector_extra_config).dynamic_buffer_layers
-
-
-def resident_blocks(vllm_config: Any) -> int:
-    """P: the AioConnector's ``dynamic_buffer_resident_blocks`` (only read with the buffer on)."""
-    return parse_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config).dynamic_buffer_resident_blocks
+    return parse_extra_config(transfer.kv_connector_extra_config) if selects_aio(transfer) else None
 
 
 def private_blocks(num_layers: int, buffers: int, resident: int) -> int:

@@ -170,7 +170,7 @@ class LayerBuffer:
         self._loaded: dict[int, torch.Event | None] = {}
         self._layer_names = list(layer_names)
         self._pinned_before = False  # the first resident step is logged
-        self._resident = self._written = self._promoted = self._pinned_written = _NOTHING
+        self._resident = self._written = self._promoted = _NOTHING
         self._pinned_rows: list[tuple[int, int]] = []  # the step's written pinned blocks: (block id, slot)
         self._streams = False
 
@@ -192,9 +192,7 @@ class LayerBuffer:
             slot_of = dict(step.pinned)
             self._written = self._plan([b for b in step.written if b not in slot_of])
             self._promoted = self._pinned_plan(step.promoted, slot_of)
-            written = sorted({b for b in step.written if b in slot_of})
-            self._pinned_written = self._pinned_plan(written, slot_of)
-            self._pinned_rows = [(b, slot_of[b]) for b in written]
+            self._pinned_rows = [(b, slot_of[b]) for b in sorted({b for b in step.written if b in slot_of})]
         if step.pinned:
             if self._remap is None:
                 raise RuntimeError("dynamic buffer: pinned blocks without dynamic_buffer_resident_blocks")
@@ -330,8 +328,10 @@ class LayerBuffer:
             return
         self.device.wait(self.device.record(), self._stream)
         if len(self._pinned_rows) > PINNED_COPY_ROWS:
+            with self.device.on(self._stream):  # the plan's device ids live on the transfer stream
+                chunks = self._pinned_plan([b for b, _ in self._pinned_rows], dict(self._pinned_rows)).chunks
             for layer in range(self.num_layers):
-                self._copy_out(layer, self._pinned_written.chunks)
+                self._copy_out(layer, chunks)
             return
         # A few blocks (decodes): one copy per block and plane, no index kernels (three launches a layer).
         with self.device.on(self._stream):

@@ -72,7 +72,7 @@ class AioWorker:
     @property
     def resident_blocks(self) -> int:
         """Private device blocks per layer for resident requests (dynamic buffer)."""
-        return self._dep.resident_blocks if self._dep.buffer_layers else 0
+        return self._dep.resident_blocks  # the config refuses them without the buffer
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         if self._dep.hybrid:  # blocks of every group are read through group 0's layers
