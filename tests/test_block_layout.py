@@ -162,3 +162,15 @@ def test_host_fast_paths_refuse_a_non_contiguous_buffer():
     strided = torch.empty(4 * layout.layer_bytes(0), dtype=torch.uint8)[::2]
     with pytest.raises(ValueError):
         layout.gather_planes(torch.tensor([0, 1]), 0, strided)
+
+
+@pytest.mark.parametrize("shape", [block_major, kv_split])
+def test_stacked_view_holds_each_plane_of_each_block(shape):
+    whole = shape(NUM_BLOCKS + 2)  # K/V split: the V plane starts past two unused blocks
+    whole.view(-1).copy_(torch.randn(whole.numel()))
+    t = whole[:, :NUM_BLOCKS] if shape is kv_split else whole[:NUM_BLOCKS]
+    layout = BlockLayout({"l0": t}, ["l0"], NUM_BLOCKS)
+    stacked = layout.stacked(0)
+    assert stacked.shape == (len(layout.planes[0]), NUM_BLOCKS, layout.planes[0][0].size)
+    for p, plane in enumerate(layout.planes[0]):
+        assert torch.equal(stacked[p], plane.blocks)

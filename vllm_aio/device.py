@@ -35,15 +35,13 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_aio import link_copy
 from vllm_aio.log import get_logger
-
-if TYPE_CHECKING:
-    import numpy as np
 
 logger = get_logger(__name__)
 
@@ -155,7 +153,34 @@ class Device:
         else:
             dst.index_copy_(0, dst_index, rows)
 
-    def indices(self, values: "list[int] | np.ndarray") -> torch.Tensor:
+    def row_swap(self, out_rows: np.ndarray, in_rows: np.ndarray) -> RowSwap:
+        """The rows ``swap_rows`` moves out of a buffer and then into it, on the device (one copy)."""
+        both = np.union1d(out_rows, in_rows)
+        paired = [np.where(np.isin(both, rows), both, -1) for rows in (out_rows, in_rows)]
+        flat = self.indices(np.concatenate([*paired, out_rows, in_rows]).astype(np.int64))
+        n, n_out = len(both), len(out_rows)
+        return RowSwap(flat[:n], flat[n : 2 * n], flat[2 * n : 2 * n + n_out], flat[2 * n + n_out :])
+
+    def swap_rows(self, swap: RowSwap, out: tuple[torch.Tensor, torch.Tensor] | None,
+                  into: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Rows of a buffer copied out (``out`` = (dst, src): ``dst[:, b] = src[:, b]`` for ``swap``'s out
+        rows b), then rows copied into it (``into``, its in rows), on the current stream; a row both
+        copied out and in is read before it is overwritten. Tensors ``[planes, blocks, width]``; one
+        side may be mapped host memory (``HostMemory.device_view``).
+
+        CUDA with Triton: one kernel for both (``link_copy.swap_rows``); elsewhere torch's index
+        kernels, the copy out before the copy in.
+        """
+        out, into = (out if len(swap.out_rows) else None), (into if len(swap.in_rows) else None)
+        if self.torch_device.type == "cuda" and link_copy.available():
+            link_copy.swap_rows(out, swap.out_index, into, swap.in_index)
+            return
+        for pair, rows in ((out, swap.out_rows), (into, swap.in_rows)):
+            if pair is not None and len(rows):
+                dst, src = pair
+                dst.index_copy_(1, rows, src.index_select(1, rows))
+
+    def indices(self, values: list[int] | np.ndarray) -> torch.Tensor:
         """``values`` as an int64 tensor on the device, copied without blocking the host.
 
         From page-locked memory: a copy from pageable memory waits for the
@@ -212,6 +237,16 @@ class HostMemory:
         if self._finalizer is not None:
             self._finalizer()  # runs at most once
         self.tensor = None
+
+
+@dataclass(frozen=True)
+class RowSwap:
+    """Block rows to move out of a buffer and then into it (``Device.row_swap``), on the device."""
+
+    out_index: torch.Tensor  # paired: row r's block to move out, -1 for none
+    in_index: torch.Tensor  # paired: row r's block to move in, -1 for none
+    out_rows: torch.Tensor  # the blocks moved out
+    in_rows: torch.Tensor  # the blocks moved in
 
 
 class MappedHost:

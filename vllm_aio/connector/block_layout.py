@@ -85,6 +85,15 @@ class BlockLayout:
             for p in self.planes[i]:
                 p.blocks.index_copy_(0, dst_ids, p.blocks.index_select(0, src_ids))
 
+    def stacked(self, layer: int) -> torch.Tensor:
+        """The layer's planes as one uint8 ``[planes, num_blocks, size]`` view (planes equally spaced,
+        as in both supported shapes), for kernels that move every plane of a block at once."""
+        planes = self.planes[layer]
+        first = planes[0].blocks
+        between = planes[1].base - planes[0].base if len(planes) > 1 else 0
+        storage = torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage())
+        return storage.as_strided((len(planes), *first.shape), (between, *first.stride()), first.storage_offset())
+
     # ---- host fast paths ---------------------------------------------------
     def plane_rows(self, layer: int, flat: torch.Tensor, n: int) -> list[torch.Tensor]:
         """``flat`` (uint8, ``n * layer_bytes``, any device) as each plane's ``[n, size]`` rows, back to back.

@@ -12,7 +12,7 @@ own values back (on the CPU build they are vLLM's own persistent arrays).
 
 The rewrite is two small device kernels per table per S layers, from tensors
 prepared once per step: ``base = table + offset[block]`` and
-``step = pinned[block] * P`` (in the table's units), then ``table = base + k * step``.
+``step = P`` for pinned blocks, 0 elsewhere (in the table's units), then ``table = base + k * step``.
 Only backends whose metadata carry the ``block_table`` their kernels read are
 supported (``BACKENDS``: vLLM's CPU, FlashAttention and Triton attention);
 ``check_backends`` refuses others when the KV cache is registered.
@@ -53,9 +53,9 @@ class BlockRemap:
         self._resident = resident
         self._buffers = buffers
         self._block_tokens = block_tokens
-        # Per vLLM block: private id - block id (pinned blocks; zero elsewhere), and whether pinned.
-        self._offset = torch.zeros(num_blocks, dtype=torch.int64, device=device.torch_device)
-        self._pinned = torch.zeros(num_blocks, dtype=torch.int64, device=device.torch_device)
+        # Per vLLM block: [private id - block id, P] for pinned blocks, zeros elsewhere (one lookup
+        # gives both of a table's tensors).
+        self._lookup = torch.zeros(2, num_blocks, dtype=torch.int64, device=device.torch_device)
         self._blocks: torch.Tensor | None = None  # this step's pinned block ids, on the device
         self._tables: list[_Table] = []
         self._pass = -1  # the layer pass (layer // S) the tables point at now
@@ -67,8 +67,8 @@ class BlockRemap:
     def begin(self, blocks: torch.Tensor, slots: torch.Tensor) -> None:
         """This step's pinned ``blocks`` (device int64) and their private ``slots``."""
         self._blocks = blocks
-        self._offset.index_copy_(0, blocks, slots + self._num_blocks - blocks)
-        self._pinned.index_fill_(0, blocks, 1)
+        self._lookup[0].index_copy_(0, blocks, slots + self._num_blocks - blocks)
+        self._lookup[1].index_fill_(0, blocks, self._resident)
 
     def attach(self, forward_context: Any, layer_names: Iterable[str]) -> None:
         """Take the forward's tables, pointed at the first pass's private blocks."""
@@ -95,34 +95,37 @@ class BlockRemap:
             t.tensor.copy_(t.original)
         self._tables.clear()
         if self._blocks is not None:
-            self._offset.index_fill_(0, self._blocks, 0)
-            self._pinned.index_fill_(0, self._blocks, 0)
+            self._lookup.index_fill_(1, self._blocks, 0)
             self._blocks = None
 
     def _prepare(self, tensor: torch.Tensor, unit: int) -> _Table:
         original = tensor.clone()
         # Padding (-1 slots) reads block 0, vLLM's null block, which is never pinned.
-        block = torch.clamp(original, min=0).to(torch.int64) // unit
-        base = (original + self._offset[block] * unit).to(tensor.dtype)
-        step = (self._pinned[block] * (self._resident * unit)).to(tensor.dtype)
-        return _Table(tensor, original, base, step)
+        block = torch.clamp(original, min=0)
+        if unit > 1:
+            block = block // unit
+        offset, step = self._lookup[:, block] * unit if unit > 1 else self._lookup[:, block]
+        return _Table(tensor, original, (original + offset).to(tensor.dtype), step.to(tensor.dtype))
 
 
 def _tables_of(forward_context: Any, layer_names: Iterable[str], block_tokens: int) -> list[tuple[torch.Tensor, int]]:
     """The distinct block tables and slot mappings the layers read, with their units per vLLM block."""
     metadata, slots = forward_context.attn_metadata, forward_context.slot_mapping
     found: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, int]] = {}
+    seen: set[tuple[int, int]] = set()  # the layers of a group share their metadata: look once
     for name in layer_names:
         meta = metadata[name]
+        layer_slots = slots.get(name) if isinstance(slots, dict) else None
+        if (id(meta), id(layer_slots)) in seen:
+            continue
+        seen.add((id(meta), id(layer_slots)))
         table = getattr(meta, "block_table", None)
         if not isinstance(table, torch.Tensor):
             raise RuntimeError(
                 f"dynamic_buffer_resident_blocks: the {type(meta).__name__} attention metadata names no "
                 "block_table to point at the private blocks; run without resident blocks"
             )
-        pairs = [(table, 1), (getattr(meta, "slot_mapping", None), block_tokens)]
-        if isinstance(slots, dict):
-            pairs.append((slots.get(name), block_tokens))
+        pairs = [(table, 1), (getattr(meta, "slot_mapping", None), block_tokens), (layer_slots, block_tokens)]
         for tensor, unit in pairs:
             if isinstance(tensor, torch.Tensor):
                 found.setdefault((tensor.data_ptr(), tuple(tensor.shape)), (tensor, unit))

@@ -36,9 +36,13 @@ alike, so a block is at the same place in both):
   enqueue costs the forward thread ~10 us) are copied straight between the
   page-locked host copy and the buffer, no host work at all;
 * the other blocks, where the device maps host memory (CUDA: the host copy
-  registered and viewed as a device tensor), move in one copy kernel per
-  plane and chunk straight between the host copy and the buffer
-  (``Device.copy_rows``), with no host work;
+  registered and viewed as a device tensor), move straight between the host
+  copy and the buffer in one kernel per layer, every plane at once
+  (``Device.swap_rows``): layer ``l``'s written blocks out, then layer
+  ``l + S``'s blocks in. A streamed layer then costs the forward thread one
+  stream switch, two events and that launch; on an H200 host the hooks of a
+  layer still took 0.14-0.3 ms (the dynamic-buffer benchmark's priority rows,
+  whose synthetic forward is host-bound: that time is the step's overhead);
 * elsewhere they pass through staging in chunks: gathered on the host
   (``BlockLayout.gather_planes``: no temporary, spread over threads), one
   host-device copy, one batched scatter per plane on the device; written
@@ -76,7 +80,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -87,7 +91,7 @@ from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.connector.block_remap import BlockRemap
 from vllm_aio.connector.metadata import AioConnectorMetadata, BufferStep
 from vllm_aio.connector.staging import Slice, StagingBuffer, even_ranges
-from vllm_aio.device import Device, HostMemory
+from vllm_aio.device import Device, HostMemory, RowSwap
 from vllm_aio.log import get_logger
 
 logger = get_logger(__name__)
@@ -118,7 +122,9 @@ class _Plan:
     """How one step moves a set of blocks in every layer."""
 
     runs: list[tuple[int, int]]  # [start, stop) of consecutive ids copied in place
-    chunks: list[_Chunk]  # the other ids, through staging
+    chunks: list[_Chunk]  # the other ids, through staging (or, pinned blocks, by a copy kernel)
+    rest: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # the other ids, moved by one kernel
+    # per layer where the host copy is mapped (``LayerBuffer._swap``)
 
 
 _NOTHING = _Plan([], [])
@@ -131,6 +137,24 @@ class _Pending:
     piece: Slice
     event: torch.Event | None
     finish: Callable[[], None] | None = None  # a write-back's scatter into the host copy
+
+
+class _PinnedSlots:
+    """A step's pinned blocks (``BufferStep.pinned``) as sorted arrays, looked up without a dict
+    (a long request pins thousands of blocks, every step)."""
+
+    def __init__(self, pinned: Sequence[tuple[int, int]]) -> None:
+        pairs = np.asarray(pinned, dtype=np.int64).reshape(-1, 2)
+        order = np.argsort(pairs[:, 0], kind="stable")
+        self.blocks, self._slots = pairs[order, 0], pairs[order, 1]
+
+    def holds(self, blocks: np.ndarray) -> np.ndarray:
+        """Which of ``blocks`` are pinned."""
+        return np.isin(blocks, self.blocks)
+
+    def slots(self, blocks: np.ndarray) -> np.ndarray:
+        """The private slots of ``blocks``, every one pinned."""
+        return self._slots[np.searchsorted(self.blocks, blocks)]
 
 
 class LayerBuffer:
@@ -153,11 +177,19 @@ class LayerBuffer:
         self._device_layout = BlockLayout(device_caches, layer_names, num_blocks)
         self._host_layout = BlockLayout(self.host_caches, layer_names, self.num_blocks)
         self._remap = None
+        self._resident_blocks = resident_blocks
         if resident_blocks:
             self._remap = BlockRemap(self.device, self.num_blocks, resident_blocks, buffers, block_tokens)
         # The host copy as the device's kernels see it, where the device maps host memory.
         mapped = _device_views(self._host_memory, self.host_caches)
         self._mapped_layout = None if mapped is None else BlockLayout(mapped, layer_names, self.num_blocks)
+        if self._mapped_layout is not None:  # each layer's planes as the swap kernel takes them
+            self._mapped_stacks = [_words(self._mapped_layout.stacked(i)) for i in range(len(layer_names))]
+            self._device_stacks = [_words(self._device_layout.stacked(i)) for i in range(len(layer_names))]
+            starts = [t.data_ptr() for t in self._mapped_stacks]
+            self._host_layer_bytes = starts[1] - starts[0] if len(starts) > 1 else 0
+            assert all(b - a == self._host_layer_bytes for a, b in zip(starts, starts[1:])), "layers equally spaced"
+        self._swap: RowSwap | None = None  # the step's scattered blocks, written back and loaded (mapped)
         self.buffers = buffers
         self.num_layers = len(layer_names)
         self._stream = self.device.new_stream()
@@ -171,6 +203,7 @@ class LayerBuffer:
         self._layer_names = list(layer_names)
         self._pinned_before = False  # the first resident step is logged
         self._resident = self._written = self._promoted = _NOTHING
+        self._pinned = _PinnedSlots([])  # the step's pinned blocks and their slots
         self._pinned_rows: list[tuple[int, int]] = []  # the step's written pinned blocks: (block id, slot)
         self._streams = False
 
@@ -187,12 +220,17 @@ class LayerBuffer:
         self._apply_block_updates(step)
         # vLLM's own cache updates (block copies) on the compute stream come before our loads.
         self.device.wait(self.device.record(), self._stream)
+        pinned = self._pinned = _PinnedSlots(step.pinned)
+        written = np.asarray(step.written, dtype=np.int64)
+        kept = pinned.holds(written)
         with self.device.on(self._stream):  # the step's device ids live on the transfer stream
             self._resident = self._plan(step.resident)
-            slot_of = dict(step.pinned)
-            self._written = self._plan([b for b in step.written if b not in slot_of])
-            self._promoted = self._pinned_plan(step.promoted, slot_of)
-            self._pinned_rows = [(b, slot_of[b]) for b in sorted({b for b in step.written if b in slot_of})]
+            self._written = self._plan(written[~kept])
+            if self._mapped_layout is not None:
+                self._swap = self.device.row_swap(self._written.rest, self._resident.rest)
+            self._promoted = self._pinned_plan(np.asarray(step.promoted, dtype=np.int64))
+        rows = np.unique(written[kept])
+        self._pinned_rows = list(zip(rows.tolist(), pinned.slots(rows).tolist()))
         if step.pinned:
             if self._remap is None:
                 raise RuntimeError("dynamic buffer: pinned blocks without dynamic_buffer_resident_blocks")
@@ -200,18 +238,17 @@ class LayerBuffer:
                 logger.info("vllm_aio: dynamic buffer: first resident step: %d blocks kept on the device in "
                             "every layer, %d filled from host memory", len(step.pinned), len(step.promoted))
                 self._pinned_before = True
-            blocks, slots = zip(*step.pinned)
             # vLLM's tables are rewritten on the compute stream, where they are read.
-            self._remap.begin(self.device.indices(list(blocks)), self.device.indices(list(slots)))
+            self._remap.begin(self.device.indices(pinned.blocks), self.device.indices(pinned.slots(pinned.blocks)))
             self._remap.attach(forward_context, self._layer_names)
         self._loaded.clear()
         # Whether the layers move blocks: a step whose blocks are all pinned (and none promoted) needs
         # no per-layer copies or events; the forward thread then only points the tables at each pass.
-        self._streams = any((self._resident.runs, self._resident.chunks, self._written.runs, self._written.chunks,
-                             self._promoted.chunks))
+        self._streams = any((self._resident.runs, self._resident.chunks, len(self._resident.rest),
+                             self._written.runs, self._written.chunks, len(self._written.rest), self._promoted.chunks))
         if self._streams:
             for layer in range(min(self.buffers, self.num_layers)):
-                self._load(layer)
+                self._move(None, layer)
         self.before_layer(0)
 
     def before_layer(self, layer: int) -> None:
@@ -226,9 +263,8 @@ class LayerBuffer:
         if not self._streams:  # every block of the step is pinned: the layers need no copies
             return
         self._retire()  # earlier write-backs that have landed: into the host copy now
-        self._write_back(layer)
-        if layer + self.buffers < self.num_layers:
-            self._load(layer + self.buffers)
+        following = layer + self.buffers
+        self._move(layer, following if following < self.num_layers else None)
 
     def end_step(self) -> None:
         """Host memory holds every block the step wrote (the pool may read it); vLLM's tables are its own."""
@@ -261,16 +297,21 @@ class LayerBuffer:
                 self._host_layout.scatter_planes(rows, dst, layer)
 
     def _plan(self, block_ids: Sequence[int]) -> _Plan:
-        """Split the step's blocks into in-place runs and staged chunks (same for every layer)."""
-        runs, staged = _runs(block_ids, self._min_run)
-        chunks = [_Chunk(ids, self._to_device(ids)) for ids in _even_chunks(staged, self._chunk_blocks)]
+        """Split the step's blocks into in-place runs and the rest (same for every layer): staged
+        chunks, or, where the host copy is mapped, ids for the step's swap kernel."""
+        runs, rest = _runs(block_ids, self._min_run)
+        if self._mapped_layout is not None:
+            return _Plan(runs, [], rest.numpy())
+        chunks = [_Chunk(ids, self._to_device(ids)) for ids in _even_chunks(rest, self._chunk_blocks)]
         return _Plan(runs, chunks)
 
-    def _pinned_plan(self, block_ids: Sequence[int], slot_of: Mapping[int, int]) -> _Plan:
-        """Pinned blocks, moved between the host copy and their private places (never in place)."""
-        unique = sorted(set(block_ids))
-        ids = torch.as_tensor(unique, dtype=torch.int64)
-        slots = torch.as_tensor([slot_of[b] for b in unique], dtype=torch.int64)
+    def _pinned_plan(self, block_ids: np.ndarray) -> _Plan:
+        """The step's pinned blocks ``block_ids``, moved between the host copy and their private
+        places (never in place)."""
+        if not len(block_ids):
+            return _NOTHING
+        unique = np.unique(block_ids)
+        ids, slots = torch.from_numpy(unique), torch.from_numpy(self._pinned.slots(unique))
         chunks = [
             _Chunk(ids[a:b], self._to_device(ids[a:b]), self._to_device(slots[a:b]))
             for a, b in even_ranges(len(ids), self._chunk_blocks)
@@ -278,21 +319,55 @@ class LayerBuffer:
         return _Plan([], chunks)
 
     # ---- copies ------------------------------------------------------------
+    def _move(self, done: int | None, load: int | None) -> None:
+        """Write back layer ``done``'s blocks, then load layer ``load`` into the buffer it leaves
+        (either may be None: the first and the last layers of a step)."""
+        if self._mapped_layout is None:
+            if done is not None:
+                self._write_back(done)
+            if load is not None:
+                self._load(load)
+            return
+        # The host copy is mapped: one stream switch and one swap kernel a layer, the forward
+        # thread's whole cost of a streamed layer (with a copy per run of consecutive blocks).
+        computed = self.device.record() if done is not None else None  # after the layer's attention
+        with self.device.on(self._stream):
+            out = into = None
+            if done is not None:
+                # Even with nothing to write back: the next load into this buffer must follow the attention.
+                self.device.wait(computed)
+                self._copy_runs(self._written.runs, done, to_host=True)
+                out = (self._mapped_stacks[done], self._device_stacks[done])
+            if load is not None:
+                into = (self._device_stacks[load], self._mapped_stacks[load])
+            self.device.swap_rows(self._swap, out, into)
+            if load is not None:
+                self._copy_runs(self._resident.runs, load, to_host=False)
+                self._copy_in_mapped(load, self._promoted.chunks)
+                self._loaded[load] = self.device.record(self._stream)
+
+    def _copy_runs(self, runs: Sequence[tuple[int, int]], layer: int, to_host: bool) -> None:
+        """Runs of consecutive blocks, one DMA copy each per plane, on the current stream."""
+        for start, stop in runs:
+            for d, h in zip(self._device_layout.planes[layer], self._host_layout.planes[layer]):
+                dst, src = (h, d) if to_host else (d, h)
+                dst.blocks[start:stop].copy_(src.blocks[start:stop], non_blocking=True)
+
+    def _copy_in_mapped(self, layer: int, chunks: Sequence[_Chunk]) -> None:
+        """Chunks of blocks from the mapped host copy into the layer's device cache, a kernel per plane."""
+        base = self._private_base(layer)
+        for chunk in chunks:
+            cache_ids = chunk.cache_ids(base)
+            for d, m in zip(self._device_layout.planes[layer], self._mapped_layout.planes[layer]):
+                self.device.copy_rows(_words(d.blocks), cache_ids, _words(m.blocks), chunk.device_ids)
+
     def _load(self, layer: int) -> None:
+        """Staged: the layer's blocks gathered on the host, one copy per chunk, scattered on the device."""
         host, dev = self._host_layout.planes[layer], self._device_layout.planes[layer]
         base = self._private_base(layer)
         chunks = [*self._resident.chunks, *self._promoted.chunks]
         with self.device.on(self._stream):
-            for start, stop in self._resident.runs:
-                for d, h in zip(dev, host):
-                    d.blocks[start:stop].copy_(h.blocks[start:stop], non_blocking=True)
-            if self._mapped_layout is not None:  # scattered blocks: a kernel reads the host copy (Device.copy_rows)
-                for chunk in chunks:
-                    cache_ids = chunk.cache_ids(base)
-                    for d, m in zip(dev, self._mapped_layout.planes[layer]):
-                        self.device.copy_rows(_words(d.blocks), cache_ids, _words(m.blocks), chunk.device_ids)
-                self._loaded[layer] = self.device.record(self._stream)
-                return
+            self._copy_runs(self._resident.runs, layer, to_host=False)
         for chunk in chunks:
             n = len(chunk.ids)
             piece = self._slice(n * self._host_layout.layer_bytes(layer))
@@ -311,14 +386,12 @@ class LayerBuffer:
         self._loaded[layer] = self.device.record(self._stream)
 
     def _write_back(self, layer: int) -> None:
-        host, dev = self._host_layout.planes[layer], self._device_layout.planes[layer]
+        """Staged: the layer's written blocks out of its buffer (``_copy_out``)."""
         computed = self.device.record()  # the compute stream, after this layer's attention
         with self.device.on(self._stream):
             # Even with nothing to write back: the next load into this buffer must follow the attention.
             self.device.wait(computed, self._stream)
-            for start, stop in self._written.runs:
-                for d, h in zip(dev, host):
-                    h.blocks[start:stop].copy_(d.blocks[start:stop], non_blocking=True)
+            self._copy_runs(self._written.runs, layer, to_host=True)
         self._copy_out(layer, self._written.chunks)
 
     def _write_back_pinned(self) -> None:
@@ -329,17 +402,44 @@ class LayerBuffer:
         self.device.wait(self.device.record(), self._stream)
         if len(self._pinned_rows) > PINNED_COPY_ROWS:
             with self.device.on(self._stream):  # the plan's device ids live on the transfer stream
-                chunks = self._pinned_plan([b for b, _ in self._pinned_rows], dict(self._pinned_rows)).chunks
+                chunks = self._pinned_plan(np.array([b for b, _ in self._pinned_rows], dtype=np.int64)).chunks
             for layer in range(self.num_layers):
                 self._copy_out(layer, chunks)
             return
-        # A few blocks (decodes): one copy per block and plane, no index kernels (three launches a layer).
+        if self._mapped_layout is not None:
+            # A few blocks (decodes), the host copy mapped: one strided copy per block and buffer
+            # covers every layer on that buffer (its private places are P blocks apart).
+            with self.device.on(self._stream):
+                for block, slot in self._pinned_rows:
+                    for buffer in range(min(self.buffers, self.num_layers)):
+                        self._host_rows_of(buffer, block).copy_(self._private_rows_of(buffer, slot))
+            return
+        # A few blocks, staged: one DMA copy per block and plane, no index kernels (three launches a layer).
         with self.device.on(self._stream):
             for layer in range(self.num_layers):
                 base = self._private_base(layer)
                 for h, d in zip(self._host_layout.planes[layer], self._device_layout.planes[layer]):
                     for block, slot in self._pinned_rows:
                         h.blocks[block].copy_(d.blocks[base + slot], non_blocking=True)
+
+    def _private_rows_of(self, buffer: int, slot: int) -> torch.Tensor:
+        """Private slot ``slot`` of every layer on ``buffer``: ``[layers, planes, width]`` (a device view)."""
+        stack = self._device_stacks[buffer]
+        planes, row = stack.stride(0), stack.stride(1)
+        layers = len(range(buffer, self.num_layers, self.buffers))
+        offset = stack.storage_offset() + (self._private_base(buffer) + slot) * row
+        return stack.as_strided((layers, stack.shape[0], stack.shape[2]), (self._resident_blocks * row, planes, 1),
+                                offset)
+
+    def _host_rows_of(self, buffer: int, block: int) -> torch.Tensor:
+        """Block ``block`` of every layer on ``buffer`` in the mapped host copy: ``[layers, planes, width]``.
+        ``_host_copy`` spaces the layers equally."""
+        stack = self._mapped_stacks[buffer]
+        planes, row = stack.stride(0), stack.stride(1)
+        layers = len(range(buffer, self.num_layers, self.buffers))
+        step = self.buffers * self._host_layer_bytes // stack.element_size()
+        return stack.as_strided((layers, stack.shape[0], stack.shape[2]), (step, planes, 1),
+                                stack.storage_offset() + block * row)
 
     def _copy_out(self, layer: int, chunks: Sequence[_Chunk]) -> None:
         """Scattered blocks of ``layer`` into the host copy, on the transfer stream (after what it waits for)."""
@@ -486,9 +586,9 @@ def _first_blocks(cache: torch.Tensor, num_blocks: int, keep: int) -> torch.Tens
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:
-    """``[n, bytes]`` rows as int64 words where they allow it: kernels reading or writing
+    """``[..., n, bytes]`` rows as int64 words where they allow it: kernels reading or writing
     mapped host memory move 8 bytes per access instead of 1."""
-    if rows.shape[-1] % 8 == 0 and rows.stride(0) % 8 == 0 and rows.data_ptr() % 8 == 0:
+    if rows.shape[-1] % 8 == 0 and all(s % 8 == 0 for s in rows.stride()[:-1]) and rows.data_ptr() % 8 == 0:
         return rows.view(torch.int64)
     return rows
 
