@@ -75,13 +75,13 @@ class Device:
         if self.is_host:
             return None
         event = torch.Event(device=self.torch_device)
-        event.record(stream or torch.accelerator.current_stream(self.torch_device))
+        event.record(stream)  # None: the device's current stream (looked up in C++, per layer this counts)
         return event
 
     def wait(self, event: torch.Event | None, stream: torch.Stream | None = None) -> None:
         """Make ``stream`` (default: current) wait for ``event`` without blocking the host."""
         if event is not None:
-            (stream or torch.accelerator.current_stream(self.torch_device)).wait_event(event)
+            event.wait(stream)
 
     @staticmethod
     def completed(event: torch.Event | None) -> bool:
@@ -159,7 +159,8 @@ class Device:
         paired = [np.where(np.isin(both, rows), both, -1) for rows in (out_rows, in_rows)]
         flat = self.indices(np.concatenate([*paired, out_rows, in_rows]).astype(np.int64))
         n, n_out = len(both), len(out_rows)
-        return RowSwap(flat[:n], flat[n : 2 * n], flat[2 * n : 2 * n + n_out], flat[2 * n + n_out :])
+        return RowSwap(flat[:n], flat[n : 2 * n], flat[2 * n : 2 * n + n_out], flat[2 * n + n_out :],
+                       bool(n_out), bool(len(in_rows)))
 
     def swap_rows(self, swap: RowSwap, out: tuple[torch.Tensor, torch.Tensor] | None,
                   into: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -171,7 +172,7 @@ class Device:
         CUDA with Triton: one kernel for both (``link_copy.swap_rows``); elsewhere torch's index
         kernels, the copy out before the copy in.
         """
-        out, into = (out if len(swap.out_rows) else None), (into if len(swap.in_rows) else None)
+        out, into = (out if swap.moves_out else None), (into if swap.moves_in else None)
         if self.torch_device.type == "cuda" and link_copy.available():
             link_copy.swap_rows(out, swap.out_index, into, swap.in_index)
             return
@@ -247,6 +248,8 @@ class RowSwap:
     in_index: torch.Tensor  # paired: row r's block to move in, -1 for none
     out_rows: torch.Tensor  # the blocks moved out
     in_rows: torch.Tensor  # the blocks moved in
+    moves_out: bool  # whether any block moves out
+    moves_in: bool
 
 
 class MappedHost:
