@@ -41,7 +41,7 @@ alike, so a block is at the same place in both):
   (``Device.swap_rows``): layer ``l``'s written blocks out, then layer
   ``l + S``'s blocks in. A streamed layer then costs the forward thread one
   stream switch, two events and that launch; on an H200 host the hooks of a
-  layer still took 0.14-0.3 ms (the dynamic-buffer benchmark's priority rows,
+  layer still took 0.14-0.4 ms (the dynamic-buffer benchmark's priority rows,
   whose synthetic forward is host-bound: that time is the step's overhead);
 * elsewhere they pass through staging in chunks: gathered on the host
   (``BlockLayout.gather_planes``: no temporary, spread over threads), one
