@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_aio.migration.policy import Candidate, Load, Move, pick_moves, pressured
+from vllm_aio.migration.policy import Candidate, Load, Move, pick_moves, pressured, waiting_blocks
 
 BLOCK = 32
 A, B, C = "http://a", "http://b", "http://c"
@@ -27,6 +27,26 @@ def test_waiting_with_room_in_the_kv_cache_is_no_pressure():
     roomy = Load(waiting=2, preemptions=3, kv_usage=0.77, kv_blocks=56)
     assert not pressured(roomy, roomy)
     assert not pressured(roomy, BUSY)
+
+
+def test_waiting_with_fewer_blocks_free_than_the_smallest_waiting_prompt_is_pressure():
+    # A CI run: two 10-block prompts waited for seconds with 8 of 56 blocks free (86% used), nothing preempted.
+    short = Load(waiting=2, preemptions=3, kv_usage=48 / 56, kv_blocks=56)
+    assert pressured(short, short, waiting_blocks=10)
+    assert not pressured(short, short, waiting_blocks=8)  # room for it: it waits for the token budget
+    assert not pressured(short, short)  # nothing known about what waits: only a nearly full cache counts
+
+
+def test_waiting_blocks_are_the_smallest_unstarted_request_per_instance():
+    candidates = [Candidate("r1", A, 1, 0.0, 300, started=False), Candidate("r2", A, 1, 0.0, 200, started=False),
+                  Candidate("b", B, 1, 0.0, 33, started=False), Candidate("running", A, 1, 0.0, 40, started=True)]
+    assert waiting_blocks(candidates, BLOCK) == {A: 7, B: 2}  # 200 tokens: 7 blocks of 32
+
+
+def test_a_waiting_prompt_without_room_moves_the_most_important_request():
+    short = Load(waiting=2, preemptions=3, kv_usage=48 / 56, kv_blocks=56)
+    candidates = [Candidate("high", A, 0, 1.0, 400, started=True), Candidate("low", A, 1, 0.0, 300, started=False)]
+    assert pick_moves({A: short, B: CALM}, {A: short, B: CALM}, candidates, BLOCK) == [Move("high", A, B)]
 
 
 def test_waiting_at_one_poll_only_is_no_pressure():

@@ -49,6 +49,8 @@ class Fake:
     stalls: bool = False  # accepts completions but never generates (a request waiting for KV)
     refuse_flush: bool = False
     refuse_completions: bool = False  # answers 400, as vLLM does to a request it rejects
+    failing_metrics: bool = False  # every other /metrics fails, as a busy server's past the router's timeout
+    polls: int = 0
     calls: list[str] = field(default_factory=list)
     completions: list[dict] = field(default_factory=list)
     aborted: int = 0  # streams the client closed before the end
@@ -62,6 +64,9 @@ class Fake:
 
     async def metrics(self, _request: web.Request) -> web.Response:
         load = self.load
+        self.polls += 1
+        if self.failing_metrics and self.polls % 2:
+            return web.Response(status=503)
         return web.Response(text="\n".join([
             "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
             f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {load["waiting"]}.0',
@@ -209,6 +214,18 @@ def test_a_stalled_request_moves_at_once_and_the_target_computes_it():
     (move,) = moves
     assert move["stalled"] and move["after_tokens"] == 0 and move["mode"] is None  # no KV to move
     assert "flush" not in c.a.calls and c.a.aborted == 1
+
+
+def test_pressure_shows_through_polls_that_fail_in_between():
+    async def scenario():
+        async with Cluster(Fake(PRESSURED, token_s=0.02, failing_metrics=True), Fake(CALM)) as c:
+            tokens, _ = await c.stream(60)
+            return tokens, (await c.status())["moves"], c
+
+    tokens, moves, c = run(scenario())
+    assert tokens == expected(60)
+    (move,) = moves
+    assert move["source"] == c.a_url and move["target"] == c.b_url
 
 
 def test_a_failed_move_leaves_the_decoding_request_on_its_instance():

@@ -1,12 +1,18 @@
 """Migration by priority: which in-flight request moves, and where (pure decisions; the router acts on them).
 
 An instance is *pressured* when vLLM preempted requests since the last poll,
-or requests waited at two polls running while its KV cache was nearly full
-(``KV_FULL``). One poll alone would count a request in transit between its
-arrival and its first scheduling step; and requests wait for the step's token
-budget too (prefills of a burst of prompts, for seconds on a busy CPU), which
-no move relieves: a CI run moved a low-priority request away from a cache a
-quarter free before the high-priority one had even arrived. From each
+or requests waited at two polls running while they could not have started for
+lack of KV: its cache nearly full (``KV_FULL``), or fewer blocks free than the
+smallest of the router's requests there that has no token yet needs for its
+prompt (``waiting_blocks``; vLLM admits a request only with blocks for its
+whole first chunk). One poll alone would count a request in transit between
+its arrival and its first scheduling step; and requests wait for the step's
+token budget too (prefills of a burst of prompts, for seconds on a busy CPU),
+which no move relieves: a CI run moved a low-priority request away from a
+cache a quarter free before the high-priority one had even arrived. Another
+saw two low-priority requests wait for seconds with 8 of 56 blocks free (86%
+used) for 10-block prompts, never preempting: with ``KV_FULL`` alone nothing
+moved. From each
 pressured instance the most important in-flight request moves first, in
 vLLM's own order: lowest ``priority`` value, then earliest arrival (what
 ``--scheduling-policy priority`` serves first and preempts last). It goes to
@@ -41,10 +47,13 @@ class Load:
 KV_FULL = 0.9
 
 
-def pressured(before: Load | None, now: Load) -> bool:
+def pressured(before: Load | None, now: Load, waiting_blocks: int | None = None) -> bool:
+    """``waiting_blocks``: what the smallest request known to wait there needs (``waiting_blocks``), if any."""
     if before is None:  # a first poll has nothing to compare with
         return False
-    waiting = before.waiting > 0 and now.waiting > 0 and min(before.kv_usage, now.kv_usage) >= KV_FULL
+    no_room = min(before.kv_usage, now.kv_usage) >= KV_FULL or (
+        waiting_blocks is not None and now.free_blocks < waiting_blocks)
+    waiting = before.waiting > 0 and now.waiting > 0 and no_room
     return now.preemptions > before.preemptions or waiting
 
 
@@ -57,6 +66,17 @@ class Candidate:
     priority: int  # vLLM's: lower is more important
     arrival: float
     tokens: int  # prompt + generated so far: the KV it takes on the target
+    started: bool = True  # whether it has produced a token (else it may still wait to be scheduled)
+
+
+def waiting_blocks(candidates: Sequence[Candidate], block_size: int) -> dict[str, int]:
+    """Per instance, the blocks its smallest request without a token yet needs to start."""
+    need: dict[str, int] = {}
+    for c in candidates:
+        if not c.started:
+            blocks = -(-c.tokens // block_size)
+            need[c.instance] = min(need.get(c.instance, blocks), blocks)
+    return need
 
 
 @dataclass(frozen=True)
@@ -71,10 +91,12 @@ def pick_moves(before: Mapping[str, Load], now: Mapping[str, Load], candidates: 
     """The moves to start now; ``now`` lists the instances in the router's order, ``busy`` the
     instances a move is in flight from or to."""
     free = {url: load.free_blocks for url, load in now.items()}
-    calm = [url for url, load in now.items() if url not in busy and not pressured(before.get(url), load)]
+    needs = waiting_blocks(candidates, block_size)
+    under = {url for url, load in now.items() if pressured(before.get(url), load, needs.get(url))}
+    calm = [url for url in now if url not in busy and url not in under]
     moves = []
-    for source, load in now.items():
-        if source in busy or not pressured(before.get(source), load):
+    for source in now:
+        if source in busy or source not in under:
             continue
         mine = [c for c in candidates if c.instance == source]
         if not mine:

@@ -45,7 +45,7 @@ from aiohttp import web
 
 from vllm_aio.log import get_logger
 from vllm_aio.migration.driver import Instance, MigrationError, move_kv
-from vllm_aio.migration.policy import Candidate, Load, Move, pick_moves, pressured
+from vllm_aio.migration.policy import Candidate, Load, Move, pick_moves, pressured, waiting_blocks
 
 logger = get_logger(__name__)
 
@@ -105,7 +105,7 @@ class Flight:
 
     def candidate(self) -> Candidate:
         return Candidate(self.request_id, self.instance.url, self.priority, self.arrival,
-                         len(self.prompt) + len(self.generated))
+                         len(self.prompt) + len(self.generated), started=bool(self.generated))
 
 
 class Router:
@@ -157,7 +157,7 @@ class Router:
         return web.json_response({
             "policy": self.policy,
             "instances": [{"url": i.url, "load": asdict(self.loads[i.url]) if i.url in self.loads else None,
-                           "pressured": i.url in self.loads and pressured(self._before.get(i.url), self.loads[i.url])}
+                           "pressured": i.url in self._pressured_now()}
                           for i in self.instances],
             "flights": [{"request_id": f.request_id, "priority": f.priority, "instance": f.instance.url,
                          "prompt_tokens": len(f.prompt), "generated": len(f.generated)}
@@ -176,7 +176,10 @@ class Router:
 
     async def _poll(self) -> None:
         loads = await asyncio.gather(*(self._load(i) for i in self.instances))
-        self._before, self.loads = self.loads, {i.url: load for i, load in zip(self.instances, loads) if load}
+        # Each instance's last load seen: a poll that failed (a busy server's /metrics past its timeout)
+        # breaks no comparison.
+        self._before = {**self._before, **self.loads}
+        self.loads = {i.url: load for i, load in zip(self.instances, loads) if load}
         self._log_pressure()
         if self.policy is None or await self._block() is None:
             return
@@ -185,12 +188,18 @@ class Router:
             self._order(move)
 
     def _log_pressure(self) -> None:
-        now = {url for url, load in self.loads.items() if pressured(self._before.get(url), load)}
+        now = self._pressured_now()
         for url in now - self._pressured:
             load = self.loads[url]
             logger.info("vllm_aio router: %s pressured (%d waiting, %.0f preemptions, %d of %d KV blocks free)",
                         url, load.waiting, load.preemptions, load.free_blocks, load.kv_blocks)
         self._pressured = now
+
+    def _pressured_now(self) -> set[str]:
+        needs = {}
+        if self.block_size is not None:
+            needs = waiting_blocks([f.candidate() for f in self.flights.values()], self.block_size)
+        return {url for url, load in self.loads.items() if pressured(self._before.get(url), load, needs.get(url))}
 
     async def _load(self, instance: Instance) -> Load | None:
         try:
