@@ -32,8 +32,8 @@ def test_waiting_with_room_in_the_kv_cache_is_no_pressure():
 def test_waiting_with_fewer_blocks_free_than_the_smallest_waiting_prompt_is_pressure():
     # A CI run: two 10-block prompts waited for seconds with 8 of 56 blocks free (86% used), nothing preempted.
     short = Load(waiting=2, preemptions=3, kv_usage=48 / 56, kv_blocks=56)
-    assert pressured(short, short, waiting_blocks=10)
-    assert not pressured(short, short, waiting_blocks=8)  # room for it: it waits for the token budget
+    assert pressured(short, short, waiting_need=10)
+    assert not pressured(short, short, waiting_need=8)  # room for it: it waits for the token budget
     assert not pressured(short, short)  # nothing known about what waits: only a nearly full cache counts
 
 

@@ -159,8 +159,7 @@ class Device:
         paired = [np.where(np.isin(both, rows), both, -1) for rows in (out_rows, in_rows)]
         flat = self.indices(np.concatenate([*paired, out_rows, in_rows]).astype(np.int64))
         n, n_out = len(both), len(out_rows)
-        return RowSwap(flat[:n], flat[n : 2 * n], flat[2 * n : 2 * n + n_out], flat[2 * n + n_out :],
-                       bool(n_out), bool(len(in_rows)))
+        return RowSwap(flat[:n], flat[n : 2 * n], flat[2 * n : 2 * n + n_out], flat[2 * n + n_out :])
 
     def swap_rows(self, swap: RowSwap, out: tuple[torch.Tensor, torch.Tensor] | None,
                   into: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -172,12 +171,12 @@ class Device:
         CUDA with Triton: one kernel for both (``link_copy.swap_rows``); elsewhere torch's index
         kernels, the copy out before the copy in.
         """
-        out, into = (out if swap.moves_out else None), (into if swap.moves_in else None)
+        out, into = (out if swap.out_rows.numel() else None), (into if swap.in_rows.numel() else None)
         if self.torch_device.type == "cuda" and link_copy.available():
             link_copy.swap_rows(out, swap.out_index, into, swap.in_index)
             return
         for pair, rows in ((out, swap.out_rows), (into, swap.in_rows)):
-            if pair is not None and len(rows):
+            if pair is not None:
                 dst, src = pair
                 dst.index_copy_(1, rows, src.index_select(1, rows))
 
@@ -248,8 +247,6 @@ class RowSwap:
     in_index: torch.Tensor  # paired: row r's block to move in, -1 for none
     out_rows: torch.Tensor  # the blocks moved out
     in_rows: torch.Tensor  # the blocks moved in
-    moves_out: bool  # whether any block moves out
-    moves_in: bool
 
 
 class MappedHost:

@@ -91,8 +91,7 @@ class BlockLayout:
         planes = self.planes[layer]
         first = planes[0].blocks
         between = planes[1].base - planes[0].base if len(planes) > 1 else 0
-        storage = torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage())
-        return storage.as_strided((len(planes), *first.shape), (between, *first.stride()), first.storage_offset())
+        return _bytes_of(first).as_strided((len(planes), *first.shape), (between, *first.stride()), first.storage_offset())
 
     # ---- host fast paths ---------------------------------------------------
     def plane_rows(self, layer: int, flat: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -173,7 +172,7 @@ def _planes(name: str, t: torch.Tensor, num_blocks: int) -> list[_Plane]:
             f"layer {name}: KV cache of shape {tuple(t.shape)} and strides {t.stride()} has no "
             f"contiguous per-block region for {num_blocks} blocks; this layout is not supported"
         )
-    storage = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    storage = _bytes_of(t)
     return [
         _Plane(
             base=s.data_ptr(),
@@ -183,3 +182,8 @@ def _planes(name: str, t: torch.Tensor, num_blocks: int) -> list[_Plane]:
         )
         for s in starts
     ]
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s whole storage as an empty uint8 tensor to take byte views of (``as_strided``)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())

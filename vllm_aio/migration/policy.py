@@ -47,12 +47,12 @@ class Load:
 KV_FULL = 0.9
 
 
-def pressured(before: Load | None, now: Load, waiting_blocks: int | None = None) -> bool:
-    """``waiting_blocks``: what the smallest request known to wait there needs (``waiting_blocks``), if any."""
+def pressured(before: Load | None, now: Load, waiting_need: int | None = None) -> bool:
+    """``waiting_need``: the blocks the smallest request known to wait there needs (``waiting_blocks``), if any."""
     if before is None:  # a first poll has nothing to compare with
         return False
     no_room = min(before.kv_usage, now.kv_usage) >= KV_FULL or (
-        waiting_blocks is not None and now.free_blocks < waiting_blocks)
+        waiting_need is not None and now.free_blocks < waiting_need)
     waiting = before.waiting > 0 and now.waiting > 0 and no_room
     return now.preemptions > before.preemptions or waiting
 

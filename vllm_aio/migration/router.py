@@ -122,7 +122,7 @@ class Router:
         self.loads: dict[str, Load] = {}
         self._before: dict[str, Load] = {}
         self._busy: set[str] = set()  # instances a move is in flight from or to
-        self._pressured: set[str] = set()  # at the last poll: logged when an instance becomes pressured
+        self._pressured: set[str] = set()  # at the last poll (/router/status); logged when it becomes so
         self.block_size: int | None = None
         self.http: aiohttp.ClientSession | None = None  # opened with the app
 
@@ -157,7 +157,7 @@ class Router:
         return web.json_response({
             "policy": self.policy,
             "instances": [{"url": i.url, "load": asdict(self.loads[i.url]) if i.url in self.loads else None,
-                           "pressured": i.url in self._pressured_now()}
+                           "pressured": i.url in self._pressured}
                           for i in self.instances],
             "flights": [{"request_id": f.request_id, "priority": f.priority, "instance": f.instance.url,
                          "prompt_tokens": len(f.prompt), "generated": len(f.generated)}
