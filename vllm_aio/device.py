@@ -33,9 +33,8 @@ import ctypes
 import mmap
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -153,32 +152,10 @@ class Device:
         else:
             dst.index_copy_(0, dst_index, rows)
 
-    def row_swap(self, out_rows: np.ndarray, in_rows: np.ndarray) -> RowSwap:
-        """The rows ``swap_rows`` moves out of a buffer and then into it, on the device (one copy)."""
-        both = np.union1d(out_rows, in_rows)
-        paired = [np.where(np.isin(both, rows), both, -1) for rows in (out_rows, in_rows)]
-        flat = self.indices(np.concatenate([*paired, out_rows, in_rows]).astype(np.int64))
-        n, n_out = len(both), len(out_rows)
-        return RowSwap(flat[:n], flat[n : 2 * n], flat[2 * n : 2 * n + n_out], flat[2 * n + n_out :])
-
-    def swap_rows(self, swap: RowSwap, out: tuple[torch.Tensor, torch.Tensor] | None,
-                  into: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Rows of a buffer copied out (``out`` = (dst, src): ``dst[:, b] = src[:, b]`` for ``swap``'s out
-        rows b), then rows copied into it (``into``, its in rows), on the current stream; a row both
-        copied out and in is read before it is overwritten. Tensors ``[planes, blocks, width]``; one
-        side may be mapped host memory (``HostMemory.device_view``).
-
-        CUDA with Triton: one kernel for both (``link_copy.swap_rows``); elsewhere torch's index
-        kernels, the copy out before the copy in.
-        """
-        out, into = (out if swap.out_rows.numel() else None), (into if swap.in_rows.numel() else None)
-        if self.torch_device.type == "cuda" and link_copy.available():
-            link_copy.swap_rows(out, swap.out_index, into, swap.in_index)
-            return
-        for pair, rows in ((out, swap.out_rows), (into, swap.in_rows)):
-            if pair is not None:
-                dst, src = pair
-                dst.index_copy_(1, rows, src.index_select(1, rows))
+    def row_swaps(self, host: Sequence[torch.Tensor], device: Sequence[torch.Tensor],
+                  stream: torch.Stream | None) -> RowSwaps:
+        """``RowSwaps`` between each layer's ``host[l]`` and ``device[l]`` on ``stream``."""
+        return RowSwaps(self, host, device, stream)
 
     def indices(self, values: list[int] | np.ndarray) -> torch.Tensor:
         """``values`` as an int64 tensor on the device, copied without blocking the host.
@@ -239,14 +216,56 @@ class HostMemory:
         self.tensor = None
 
 
-@dataclass(frozen=True)
-class RowSwap:
-    """Block rows to move out of a buffer and then into it (``Device.row_swap``), on the device."""
+class RowSwaps:
+    """The rows of a buffer written back and then reloaded, layer by layer: the dynamic buffer's
+    per-layer copy.
 
-    out_index: torch.Tensor  # paired: row r's block to move out, -1 for none
-    in_index: torch.Tensor  # paired: row r's block to move in, -1 for none
-    out_rows: torch.Tensor  # the blocks moved out
-    in_rows: torch.Tensor  # the blocks moved in
+    ``host[l]`` and ``device[l]`` are layer ``l``'s ``[planes, blocks, width]`` views, one side
+    possibly mapped host memory (``HostMemory.device_view``). ``plan`` sets a step's rows (one
+    host-to-device copy); ``swap(done, load)`` then copies layer ``done``'s out rows from its device
+    side to its host side, and after them ``load``'s in rows from its host side to its device side,
+    on ``stream``; a row both copied out and in is read before it is overwritten.
+
+    CUDA with Triton: one kernel for both directions and every plane, launched with a few
+    microseconds of host time (``link_copy.SwapLaunches``); elsewhere torch's index kernels, the
+    copy out first.
+    """
+
+    def __init__(self, device: Device, host: Sequence[torch.Tensor], device_side: Sequence[torch.Tensor],
+                 stream: torch.Stream | None) -> None:
+        self._device, self._host, self._device_side, self._stream = device, host, device_side, stream
+        self._launches = None
+        if device.torch_device.type == "cuda" and link_copy.available():
+            with device.on(stream):
+                handle = torch.cuda.current_stream(device.torch_device).cuda_stream
+            self._launches = link_copy.SwapLaunches(host, device_side, handle)
+        self._out_rows = self._in_rows = torch.empty(0, dtype=torch.int64)
+
+    def plan(self, out_rows: np.ndarray, in_rows: np.ndarray) -> None:
+        """The step's rows: out of the buffer (written back), then into it (loaded)."""
+        both = np.union1d(out_rows, in_rows)
+        # Paired for the kernel: row r's block to move out, and in, -1 for none.
+        paired = [np.full(len(both), -1, dtype=np.int64) for _ in range(2)]
+        for pairs, rows in zip(paired, (out_rows, in_rows)):
+            pairs[np.searchsorted(both, rows)] = rows
+        with self._device.on(self._stream):  # ahead of the swaps on that stream
+            flat = self._device.indices(np.concatenate([*paired, out_rows, in_rows]).astype(np.int64))
+        n, n_out = len(both), len(out_rows)
+        self._out_rows, self._in_rows = flat[2 * n : 2 * n + n_out], flat[2 * n + n_out :]
+        if self._launches is not None:
+            self._launches.rows(flat[:n], flat[n : 2 * n], len(out_rows) > 0, len(in_rows) > 0)
+
+    def swap(self, done: int | None, load: int | None) -> None:
+        if self._launches is not None:
+            self._launches.launch(done, load)
+            return
+        with self._device.on(self._stream):
+            if done is not None and self._out_rows.numel():
+                rows = self._out_rows
+                self._host[done].index_copy_(1, rows, self._device_side[done].index_select(1, rows))
+            if load is not None and self._in_rows.numel():
+                rows = self._in_rows
+                self._device_side[load].index_copy_(1, rows, self._host[load].index_select(1, rows))
 
 
 class MappedHost:

@@ -12,19 +12,25 @@ moved 46 GB/s, as ``index_select`` (47 GB/s) did, against 55 GB/s for one large
 pinned copy. Batched DMA (``cuMemcpyBatchAsync``, one call for every row) was
 measured too: 25 GB/s for 32 KiB rows, 34 GB/s for 64 KiB, 3 GB/s for 8 KiB.
 
-``swap_rows`` is the dynamic buffer's per-layer copy: a layer's written
+The swap kernel is the dynamic buffer's per-layer copy: a layer's written
 blocks out of its device buffer, then the next layer's blocks into the same
 buffer, both in one launch. Its host cost per layer is what a step of
-streamed layers pays on the forward thread: one Triton launch (~20 us on an
-H200 host) where torch's index kernels took four (~12 us each).
+streamed layers pays on the forward thread, and on a host-bound forward every
+microsecond of it counted about one and a half times in the step (the H200's
+host, the dynamic-buffer benchmark's priority rows). So ``SwapLaunches``
+launches the kernel compiled once with its arguments as integers: 12 us of
+host time against 25 us for Triton's launch, which binds and specializes
+every argument on every call (torch's index kernels took four launches of
+~12 us each).
 
 Needs Triton (part of CUDA builds of vLLM and torch); ``Device.copy_rows``
-and ``Device.swap_rows`` fall back to torch's kernels without it.
+and ``Device.row_swaps`` fall back to torch's kernels without it.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -80,7 +86,9 @@ def _swap_kernel():
             keep = cols < width
             tl.store(d + cols, tl.load(s + cols, mask=keep), mask=keep)
 
-    @triton.jit
+    # The row count and the index tensors change every step: a kernel specialized on them (a count
+    # divisible by 16, an index 16-byte aligned) would be compiled again, or be wrong, for the next.
+    @triton.jit(do_not_specialize=["rows"], do_not_specialize_on_alignment=["out_index", "in_index"])
     def swap_rows(out_dst, out_dst_plane, out_dst_row, out_src, out_src_plane, out_src_row, out_index,
                   in_dst, in_dst_plane, in_dst_row, in_src, in_src_plane, in_src_row, in_index, rows, width,
                   OUT: tl.constexpr, IN: tl.constexpr, BLOCK: tl.constexpr):
@@ -102,28 +110,67 @@ def _swap_kernel():
     return swap_rows
 
 
-def swap_rows(out: tuple[torch.Tensor, torch.Tensor] | None, out_index: torch.Tensor,
-              into: tuple[torch.Tensor, torch.Tensor] | None, in_index: torch.Tensor) -> None:
-    """For every r: ``dst[:, out_index[r]] = src[:, out_index[r]]`` for ``out`` = (dst, src), then the
-    same for ``into`` with ``in_index``, on the current stream. Row r's first copy is done before its
-    second starts, so the second may overwrite what the first reads. An index of -1 copies nothing;
-    a pair of None is skipped. Tensors are ``[planes, rows, width]`` of one dtype, columns contiguous;
-    the index tensors int64 on the device, of one length."""
-    pairs = [p for p in (out, into) if p is not None]
-    rows = len(out_index)
-    if rows == 0 or not pairs:
-        return
-    for dst, src in pairs:
-        assert dst.dim() == src.dim() == 3 and dst.dtype == src.dtype
-        assert dst.shape[::2] == src.shape[::2] == pairs[0][0].shape[::2], "planes and widths must agree"
-        assert dst.stride(2) == src.stride(2) == 1, "columns must be contiguous"
-    planes, width = pairs[0][0].shape[0], pairs[0][0].shape[2]
-    (od, os), (id_, is_) = out or pairs[0], into or pairs[0]  # a skipped pair's arguments are not read
-    _swap_kernel()[(min(PROGRAMS, rows), planes)](
-        od, od.stride(0), od.stride(1), os, os.stride(0), os.stride(1), out_index,
-        id_, id_.stride(0), id_.stride(1), is_, is_.stride(0), is_.stride(1), in_index, rows, width,
-        OUT=out is not None, IN=into is not None, BLOCK=BLOCK, num_warps=8,
-    )
+class SwapLaunches:
+    """The swap kernel between the layers of fixed tensors, on one stream: for each layer ``l``
+    ``host[l]`` and ``device[l]``, ``[planes, blocks, width]`` of one dtype, columns contiguous,
+    every layer's alike in shape and strides.
+
+    ``rows`` sets the rows of the launches that follow (int64 index tensors on the device, of one
+    length, -1 for no row; kept alive here); ``launch(done, load)`` copies ``done``'s out rows from
+    ``device[done]`` to ``host[done]``, then ``load``'s in rows from ``host[load]`` to ``device[load]``
+    (either may be None). Row r's copy out is read before its copy in overwrites it.
+
+    The kernel is compiled (``warmup``) for the first launch of each kind and launched again with
+    its arguments as integers, the tensors' pointers taken once (Triton 3.2 and later: a compiled
+    kernel's launcher takes every argument, constexprs included).
+    """
+
+    def __init__(self, host: Sequence[torch.Tensor], device: Sequence[torch.Tensor], stream: int) -> None:
+        first = host[0]
+        for t in (*host, *device):
+            assert t.dim() == 3 and t.dtype == first.dtype and t.stride(2) == 1, "[planes, blocks, width] rows"
+            assert t.shape[::2] == first.shape[::2], "planes and widths must agree"
+        assert len({t.stride() for t in host}) == 1 and len({t.stride() for t in device}) == 1
+        self._host, self._device, self._stream = list(host), list(device), stream
+        self._host_ptr = [t.data_ptr() for t in host]
+        self._device_ptr = [t.data_ptr() for t in device]
+        self._planes, self._width = first.shape[0], first.shape[2]
+        self._host_strides, self._device_strides = host[0].stride()[:2], device[0].stride()[:2]
+        self._compiled: dict[tuple, object] = {}
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._out = self._in = False  # whether the rows hold any row out, any row in
+
+    def rows(self, out_index: torch.Tensor, in_index: torch.Tensor, any_out: bool, any_in: bool) -> None:
+        self._index, self._out, self._in = (out_index, in_index), any_out, any_in
+
+    def launch(self, done: int | None, load: int | None) -> None:
+        out, into = done is not None and self._out, load is not None and self._in
+        if not (out or into) or self._index is None:
+            return
+        out_index, in_index = self._index
+        rows = len(out_index)
+        # A skipped direction's tensors are not read: the other's stand in.
+        d, ld = (done, load) if out and into else (done, done) if out else (load, load)
+        constexprs = (out, into, BLOCK)
+        key = (constexprs, self._host_ptr[d] % 16, self._device_ptr[d] % 16, self._host_ptr[ld] % 16,
+               self._device_ptr[ld] % 16)
+        grid = (min(PROGRAMS, rows), self._planes, 1)
+        args = self._arguments(self._host_ptr[d], self._device_ptr[d], self._device_ptr[ld], self._host_ptr[ld],
+                               out_index.data_ptr(), in_index.data_ptr(), rows)
+        compiled = self._compiled.get(key)
+        if compiled is None:  # compiled for the tensors' types, then launched as every later launch
+            typed = self._arguments(self._host[d], self._device[d], self._device[ld], self._host[ld], out_index,
+                                    in_index, rows)
+            compiled = self._compiled[key] = _swap_kernel().warmup(*typed, *constexprs, grid=grid, num_warps=8)
+            compiled[grid](*args, *constexprs, stream=self._stream)  # loads the kernel on the device too
+            return
+        compiled.run(*grid, self._stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *args, *constexprs)
+
+    def _arguments(self, out_dst, out_src, in_dst, in_src, out_index, in_index, rows: int) -> tuple:
+        (hp, hr), (dp, dr) = self._host_strides, self._device_strides
+        return (out_dst, hp, hr, out_src, dp, dr, out_index, in_dst, dp, dr, in_src, hp, hr, in_index, rows,
+                self._width)
 
 
 def copy_rows(dst: torch.Tensor, dst_index: torch.Tensor | None, src: torch.Tensor,

@@ -65,7 +65,12 @@ class BlockRemap:
         return self._num_blocks + (layer // self._buffers) * self._resident
 
     def begin(self, blocks: torch.Tensor, slots: torch.Tensor) -> None:
-        """This step's pinned ``blocks`` (device int64) and their private ``slots``."""
+        """This step's pinned ``blocks`` (device int64) and their private ``slots``; the same tensors
+        as the last step's (a decode's pinned blocks): the lookup holds them already."""
+        if blocks is self._blocks:
+            return
+        if self._blocks is not None:
+            self._lookup.index_fill_(1, self._blocks, 0)
         self._blocks = blocks
         self._lookup[0].index_copy_(0, blocks, slots + self._num_blocks - blocks)
         self._lookup[1].index_fill_(0, blocks, self._resident)
@@ -90,13 +95,10 @@ class BlockRemap:
         self._pass = k
 
     def end(self) -> None:
-        """After the step: vLLM's tables as they were, no block pinned."""
+        """After the step: vLLM's tables as they were (the lookup keeps the pinned blocks for the next)."""
         for t in self._tables:
             t.tensor.copy_(t.original)
         self._tables.clear()
-        if self._blocks is not None:
-            self._lookup.index_fill_(1, self._blocks, 0)
-            self._blocks = None
 
     def _prepare(self, tensor: torch.Tensor, unit: int) -> _Table:
         original = tensor.clone()

@@ -38,11 +38,12 @@ alike, so a block is at the same place in both):
 * the other blocks, where the device maps host memory (CUDA: the host copy
   registered and viewed as a device tensor), move straight between the host
   copy and the buffer in one kernel per layer, every plane at once
-  (``Device.swap_rows``): layer ``l``'s written blocks out, then layer
-  ``l + S``'s blocks in. A streamed layer then costs the forward thread one
-  stream switch, two events and that launch; on an H200 host the hooks of a
-  layer still took 0.14-0.4 ms (the dynamic-buffer benchmark's priority rows,
-  whose synthetic forward is host-bound: that time is the step's overhead);
+  (``Device.row_swaps``): layer ``l``'s written blocks out, then layer
+  ``l + S``'s blocks in. A streamed layer then costs the forward thread two
+  events and that launch, no stream switch: 35 us of host time a layer on an
+  H200 host, from 90 us with Triton's own launch and a stream switch. On a
+  host-bound forward that time is the step's overhead, about one and a half
+  times over (the dynamic-buffer benchmark's priority rows);
 * elsewhere they pass through staging in chunks: gathered on the host
   (``BlockLayout.gather_planes``: no temporary, spread over threads), one
   host-device copy, one batched scatter per plane on the device; written
@@ -78,6 +79,7 @@ blocks only.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -91,7 +93,7 @@ from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.connector.block_remap import BlockRemap
 from vllm_aio.connector.metadata import AioConnectorMetadata, BufferStep
 from vllm_aio.connector.staging import Slice, StagingBuffer, even_ranges
-from vllm_aio.device import Device, HostMemory, RowSwap
+from vllm_aio.device import Device, HostMemory
 from vllm_aio.log import get_logger
 
 logger = get_logger(__name__)
@@ -144,13 +146,16 @@ class _PinnedSlots:
     (a long request pins thousands of blocks, every step)."""
 
     def __init__(self, pinned: Sequence[tuple[int, int]]) -> None:
-        pairs = np.asarray(pinned, dtype=np.int64).reshape(-1, 2)
+        # fromiter: half the time of asarray on a list of pairs
+        flat = np.fromiter(itertools.chain.from_iterable(pinned), dtype=np.int64, count=2 * len(pinned))
+        pairs = flat.reshape(-1, 2)
         order = np.argsort(pairs[:, 0], kind="stable")
         self.blocks, self._slots = pairs[order, 0], pairs[order, 1]
 
     def holds(self, blocks: np.ndarray) -> np.ndarray:
         """Which of ``blocks`` are pinned."""
-        return np.isin(blocks, self.blocks)
+        at = np.minimum(np.searchsorted(self.blocks, blocks), max(len(self.blocks) - 1, 0))
+        return self.blocks[at] == blocks if len(self.blocks) else np.zeros(len(blocks), dtype=bool)
 
     def slots(self, blocks: np.ndarray) -> np.ndarray:
         """The private slots of ``blocks``, every one pinned."""
@@ -189,10 +194,12 @@ class LayerBuffer:
             starts = [t.data_ptr() for t in self._mapped_stacks]
             self._host_layer_bytes = starts[1] - starts[0] if len(starts) > 1 else 0
             assert all(b - a == self._host_layer_bytes for a, b in zip(starts, starts[1:])), "layers equally spaced"
-        self._swap: RowSwap | None = None  # the step's scattered blocks, written back and loaded (mapped)
         self.buffers = buffers
         self.num_layers = len(layer_names)
         self._stream = self.device.new_stream()
+        self._swaps = None  # the step's scattered blocks, written back and loaded (mapped)
+        if self._mapped_layout is not None:
+            self._swaps = self.device.row_swaps(self._mapped_stacks, self._device_stacks, self._stream)
         self._staging = StagingBuffer(self.device, staging_bytes)
         # A chunk takes at most a quarter of staging, so loads and write-backs of a few layers fit at once.
         self._chunk_blocks = max(1, staging_bytes // (4 * max(self._host_layout.layer_bytes(0), 1)))
@@ -204,6 +211,8 @@ class LayerBuffer:
         self._pinned_before = False  # the first resident step is logged
         self._resident = self._written = self._promoted = _NOTHING
         self._pinned = _PinnedSlots([])  # the step's pinned blocks and their slots
+        self._pinned_list: list[tuple[int, int]] = []  # as the step named them
+        self._pinned_ids: tuple[torch.Tensor, torch.Tensor] | None = None  # their blocks and slots on the device
         self._pinned_rows: list[tuple[int, int]] = []  # the step's written pinned blocks: (block id, slot)
         self._streams = False
 
@@ -220,14 +229,19 @@ class LayerBuffer:
         self._apply_block_updates(step)
         # vLLM's own cache updates (block copies) on the compute stream come before our loads.
         self.device.wait(self.device.record(), self._stream)
-        pinned = self._pinned = _PinnedSlots(step.pinned)
+        if step.pinned != self._pinned_list:  # a decode keeps its pinned blocks from step to step
+            self._pinned, self._pinned_list = _PinnedSlots(step.pinned), step.pinned
+            blocks = self._pinned.blocks
+            # vLLM's tables are rewritten on the compute stream, where they are read.
+            self._pinned_ids = (self.device.indices(blocks), self.device.indices(self._pinned.slots(blocks)))
+        pinned = self._pinned
         written = np.asarray(step.written, dtype=np.int64)
         kept = pinned.holds(written)
         with self.device.on(self._stream):  # the step's device ids live on the transfer stream
             self._resident = self._plan(step.resident)
             self._written = self._plan(written[~kept])
-            if self._mapped_layout is not None:
-                self._swap = self.device.row_swap(self._written.rest, self._resident.rest)
+            if self._swaps is not None:
+                self._swaps.plan(self._written.rest, self._resident.rest)
             self._promoted = self._pinned_plan(np.asarray(step.promoted, dtype=np.int64))
         rows = np.unique(written[kept])
         self._pinned_rows = list(zip(rows.tolist(), pinned.slots(rows).tolist()))
@@ -238,8 +252,7 @@ class LayerBuffer:
                 logger.info("vllm_aio: dynamic buffer: first resident step: %d blocks kept on the device in "
                             "every layer, %d filled from host memory", len(step.pinned), len(step.promoted))
                 self._pinned_before = True
-            # vLLM's tables are rewritten on the compute stream, where they are read.
-            self._remap.begin(self.device.indices(pinned.blocks), self.device.indices(pinned.slots(pinned.blocks)))
+            self._remap.begin(*self._pinned_ids)
             self._remap.attach(forward_context, self._layer_names)
         self._loaded.clear()
         # Whether the layers move blocks: a step whose blocks are all pinned (and none promoted) needs
@@ -328,23 +341,22 @@ class LayerBuffer:
             if load is not None:
                 self._load(load)
             return
-        # The host copy is mapped: one stream switch and one swap kernel a layer, the forward
-        # thread's whole cost of a streamed layer (with a copy per run of consecutive blocks).
-        computed = self.device.record() if done is not None else None  # after the layer's attention
-        with self.device.on(self._stream):
-            out = into = None
-            if done is not None:
-                # Even with nothing to write back: the next load into this buffer must follow the attention.
-                self.device.wait(computed)
-                self._copy_runs(self._written.runs, done, to_host=True)
-                out = (self._mapped_stacks[done], self._device_stacks[done])
-            if load is not None:
-                into = (self._device_stacks[load], self._mapped_stacks[load])
-            self.device.swap_rows(self._swap, out, into)
-            if load is not None:
+        # The host copy is mapped: two events and one swap kernel a layer, the forward thread's whole
+        # cost of a streamed layer (with a copy per run of consecutive blocks).
+        if done is not None:
+            # Even with nothing to write back: the next load into this buffer must follow the attention.
+            self.device.wait(self.device.record(), self._stream)
+            if self._written.runs:
+                with self.device.on(self._stream):
+                    self._copy_runs(self._written.runs, done, to_host=True)
+        self._swaps.swap(done, load)
+        if load is None:
+            return
+        if self._resident.runs or self._promoted.chunks:
+            with self.device.on(self._stream):
                 self._copy_runs(self._resident.runs, load, to_host=False)
                 self._copy_in_mapped(load, self._promoted.chunks)
-                self._loaded[load] = self.device.record(self._stream)
+        self._loaded[load] = self.device.record(self._stream)
 
     def _copy_runs(self, runs: Sequence[tuple[int, int]], layer: int, to_host: bool) -> None:
         """Runs of consecutive blocks, one DMA copy each per plane, on the current stream."""
