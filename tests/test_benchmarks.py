@@ -4,7 +4,9 @@ Benchmarks measure, tests do not: this only keeps the scripts from rotting
 (an API they call changed, a size they compute went stale). The two scripts
 that run real vLLM engines (and ``migration``, two ``vllm serve``) take a minute or more, mostly starting them:
 they start side by side when the first test runs and their tests wait for
-them, while the others run one at a time meanwhile. Under ``CI`` a missing
+them, while the others run one at a time meanwhile. ``priority`` and ``soak``
+(one engine or server at a time, one torch thread each) then start side by
+side: alone, each kept one of the two cores busy. Under ``CI`` a missing
 prerequisite fails the test, as ``conftest.require`` does, instead of
 skipping it.
 """
@@ -45,6 +47,11 @@ SCRIPTS = {
     "soak": (("vllm",), "soak"),  # one server at a time, as priority
 }
 ENGINE_SCRIPTS = ("ttft", "mooncake_ttft", "migration")
+# Started together when the first of them is tested: after the engine scripts' tests (SCRIPTS' order).
+LATE_SCRIPTS = ("priority", "soak")
+# One torch thread beside the engines: threads spinning at OpenMP barriers on busy cores made a
+# two-second run take a minute, and slowed the engines down too.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 PLOTTED = "pool_bandwidth"  # a cheap script whose run also draws its plot (benchmarks/_report.plot)
 
 
@@ -102,22 +109,33 @@ def out(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("benchmarks")
 
 
-@pytest.fixture(scope="module")
-def engine_runs(request, out: Path) -> Iterator[dict[str, Run]]:
-    """The ``--quick`` run of each selected engine script whose prerequisites are here, started at once."""
+def started_together(request, out: Path, group: tuple[str, ...], env: dict[str, str] | None = None
+                     ) -> Iterator[dict[str, Run]]:
+    """The ``--quick`` run of each selected script of ``group`` whose prerequisites are here, started at once."""
     selected = {item.callspec.params["script"] for item in request.session.items
                 if item.module is request.module and hasattr(item, "callspec")}
-    runnable = [s for s in ENGINE_SCRIPTS if s in selected and missing(SCRIPTS[s][0]) is None]
+    runnable = [s for s in group if s in selected and missing(SCRIPTS[s][0]) is None]
     if runnable:  # the tiny model, built once here rather than by two scripts at once
         from vllm_aio.devtools.tiny_model import PRESETS, ensure_model
 
         ensure_model(ROOT / "models" / "tiny", PRESETS["tiny"])
-    runs = {script: Run.start(script, out) for script in runnable}
+    runs = {script: Run.start(script, out, env) for script in runnable}
     yield runs
     for run in runs.values():  # a test that failed early leaves nothing running
         if run.proc.poll() is None:
             os.killpg(run.proc.pid, signal.SIGINT)
             run.wait()
+
+
+@pytest.fixture(scope="module")
+def engine_runs(request, out: Path) -> Iterator[dict[str, Run]]:
+    yield from started_together(request, out, ENGINE_SCRIPTS)
+
+
+@pytest.fixture(scope="module")
+def late_runs(request, out: Path) -> Iterator[dict[str, Run]]:
+    """Requested by the first late script's test (not before: the engine scripts are done by then)."""
+    yield from started_together(request, out, LATE_SCRIPTS, ONE_THREAD)
 
 
 def has_table(output: str, first_column: str) -> bool:
@@ -131,15 +149,14 @@ def has_table(output: str, first_column: str) -> bool:
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
-def test_quick_run(script: str, engine_runs: dict[str, Run], out: Path) -> None:
+def test_quick_run(request, script: str, engine_runs: dict[str, Run], out: Path) -> None:
     needs, first_column = SCRIPTS[script]
     if reason := missing(needs):
         if os.environ.get("CI"):
             pytest.fail(f"CI requires what {script}.py needs: {reason}", pytrace=False)
         pytest.skip(reason)
-    # One torch thread beside the engines: threads spinning at OpenMP barriers on busy cores made a
-    # two-second run take a minute, and slowed the engines down too.
-    run = engine_runs.get(script) or Run.start(script, out, env={"OMP_NUM_THREADS": "1"})
+    late = request.getfixturevalue("late_runs") if script in LATE_SCRIPTS else {}
+    run = engine_runs.get(script) or late.get(script) or Run.start(script, out, env=ONE_THREAD)
     output = run.wait()
     assert run.proc.returncode == 0, f"{script}.py --quick exited {run.proc.returncode}:\n{output[-6000:]}"
     assert has_table(output, first_column), f"{script}.py --quick printed no table:\n{output[-6000:]}"
