@@ -34,6 +34,58 @@ LOGPROB_TOLERANCE = 0.05
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+# Seconds each slow file took in CI (two at a time on two cores; fixtures included), to hand the
+# files out longest first (make test: -n 2 --dist loadfile). xdist's own order (most tests first)
+# put these one-test engine files last, and a worker claims the next file before it runs the last
+# test of its current one: one worker ran a two-minute file while the other had nothing left.
+# Files not named here take seconds. The figures only order the files; stale ones cost balance,
+# never a test.
+CI_SECONDS = {
+    "test_e2e_pool.py": 520,  # with the session's no-connector baseline (the first file to ask computes it)
+    "test_e2e_load.py": 350,
+    "test_e2e_hybrid.py": 345,
+    "test_e2e_dynamic_buffer.py": 275,
+    "test_e2e_shared_prefix.py": 265,
+    "test_e2e_migration.py": 250,
+    "test_e2e_mooncake.py": 165,
+    "test_e2e_preemption.py": 135,
+    "test_e2e_isolation.py": 120,
+    "test_e2e_migration_priority.py": 120,
+    "test_e2e_tiered.py": 115,
+    "test_e2e_mooncake_config.py": 105,
+    "test_e2e_migration_mooncake.py": 80,
+    "test_e2e_long_context.py": 70,
+    "test_e2e_mla.py": 55,
+    "test_e2e_kv_events.py": 55,
+    "test_demo.py": 30,
+    "test_registration.py": 30,
+    "test_pd_proxy.py": 30,
+}
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile``, the files handed out longest first (``CI_SECONDS``)."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongestFileFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "_ordered", False):  # the queue is complete at the first assignment
+                self._ordered = True
+                units = sorted(self.workqueue.items(), key=lambda unit: -_ci_seconds(unit[0], len(unit[1])))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
+
+    return LongestFileFirst(config, log)
+
+
+def _ci_seconds(path: str, num_tests: int) -> float:
+    return CI_SECONDS.get(Path(path).name, 0.01 * num_tests)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "npu: needs an Ascend NPU (torch_npu): skipped without one, "
                             "a failure with VLLM_AIO_REQUIRE_NPU=1")
