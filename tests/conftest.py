@@ -33,6 +33,14 @@ LOGPROB_TOLERANCE = 0.05
 # engines side by side finished in 58 s instead of 69 s). Arithmetic is unchanged.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# The OpenMP threads of every engine and server the tests start: one per core, as vLLM's binding
+# "0-N" gave, but not pinned ("nobind", the count from OMP_NUM_THREADS). Pinned, every engine's
+# thread 0, which also runs its worker's Python, sat on core 0: two engines side by side (two test
+# files at once) took 54 s where one alone took 24 (unpinned: 39 s; runs dominated by start-up,
+# 35 s -> 22 s, as fast as one alone). The thread count, and with it the arithmetic, is unchanged:
+# the same tokens and logprobs, pinned or not.
+THREADS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(os.cpu_count())}
+
 
 # Seconds each slow file took in CI (two at a time on two cores; fixtures included), to hand the
 # files out longest first (make test: -n 2 --dist loadfile). xdist's own order (most tests first)
@@ -57,6 +65,7 @@ CI_SECONDS = {
     "test_e2e_long_context.py": 70,
     "test_e2e_mla.py": 55,
     "test_e2e_kv_events.py": 55,
+    "test_endpoints.py": 45,  # a vllm serve
     "test_demo.py": 30,
     "test_registration.py": 30,
     "test_pd_proxy.py": 30,
@@ -152,12 +161,11 @@ class Engine:
              "handshake_dir": str(handshake) if between_rounds else None, **spec}
         ))
         # vLLM picks its OpenMP thread count differently with and without a
-        # connector; a different count changes float rounding, so pin it. The
+        # connector; a different count changes float rounding, so fix it (THREADS). The
         # engine core runs in the runner's process (its worker still in one of
         # its own): a process fewer to start, 4-13 s of a 25-38 s run here.
-        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0",
-                    "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                    "PYTHONPATH": f"{ROOT}:{RUNNER.parent}", **(env or {})}
+        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0", **THREADS,
+                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": f"{ROOT}:{RUNNER.parent}", **(env or {})}
         with open(log_path, "w") as log:
             proc = subprocess.Popen([sys.executable, str(RUNNER), str(spec_path), str(result_path)],
                                     env=full_env, stdout=log, stderr=subprocess.STDOUT)
@@ -274,9 +282,9 @@ def assert_output_varies(results: list[dict]) -> None:
 # stores leave the computation untouched is shown against no-connector engines
 # by the TP=1 tests. Each such engine costs a minute on CI's two cores.
 
-# Tensor parallel 2 on a 2-core machine: one core per rank (vLLM's default
-# binding fails with "Not enough allowed NUMA nodes to bind threads").
-TP2 = {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+# Tensor parallel 2 on a 2-core machine: one thread per rank, as the binding "0|1" gave (vLLM's
+# default binding fails with "Not enough allowed NUMA nodes to bind threads"), unpinned (THREADS).
+TP2 = {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}}
 
 
 @pytest.fixture(scope="session")

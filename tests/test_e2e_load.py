@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from conftest import aio_config
+from conftest import THREADS, aio_config
 from vllm_aio.devtools.load import SERVER_ENV, LoadMix, Outcome, compare, read_metrics, run_load, server_args
 from vllm_aio.devtools.serve import free_port, log_tail, vllm_server, wait_healthy
 from vllm_aio.pool.entry import HEADER_BYTES
@@ -40,6 +40,7 @@ MIX = LoadMix(num_requests=48, num_prefixes=6, prefix_tokens=(1024, 2048), tail_
               seed=14)
 CONCURRENCY = 16
 TOLERANCE = 1e-3
+ENV = {**SERVER_ENV, **THREADS}  # one OpenMP thread per core, unpinned (conftest.THREADS)
 SENSITIVE = re.compile(r"aio:[0-9a-f]{16}:|[0-9a-f]{64}|\[(\d+, ){15}\d+")
 # float32 KV of the tiny model: 4 KiB a token, so ~13k distinct tokens (~1/2 of them shared
 # prefixes) take ~53 MB; the pools hold less than half of that.
@@ -62,7 +63,7 @@ def serve_load(model: Path, log_path: Path, kv_transfer_config: dict | None,
     """The load through a server of its own; ``on_done(n)`` runs as the n-th request completes."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    with vllm_server(str(model), port, log_path, server_args(CONCURRENCY), kv_transfer_config, SERVER_ENV) as proc:
+    with vllm_server(str(model), port, log_path, server_args(CONCURRENCY), kv_transfer_config, ENV) as proc:
         wait_healthy(proc, base, log_path, 300)
         done = iter(range(1, MIX.num_requests + 1))
         outcomes = run_load(base, str(model), MIX.prompts(), CONCURRENCY, MIX.max_tokens, timeout=300,
@@ -200,7 +201,7 @@ def test_a_worker_killed_under_load_fails_requests_with_an_error_and_hangs_none(
     log_path, port = tmp_path / "server.log", free_port()
     base = f"http://127.0.0.1:{port}"
     config = aio_config(local_pool_size=POOL_SIZE)
-    with vllm_server(str(tiny_model), port, log_path, server_args(CONCURRENCY), config, SERVER_ENV) as proc:
+    with vllm_server(str(tiny_model), port, log_path, server_args(CONCURRENCY), config, ENV) as proc:
         wait_healthy(proc, base, log_path, 300)
         worker = _worker_pid(proc.pid)
         kill = at(MIX.num_requests // 3, lambda: os.kill(worker, signal.SIGKILL))
