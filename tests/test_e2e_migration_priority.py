@@ -2,7 +2,7 @@
 
 A (the source) has a KV cache of 56 blocks of 32 tokens under ``--scheduling-policy
 priority``: four low-priority requests and one high-priority one, 300-token prompts
-decoding 256 tokens (640 the high one), fit with their prompts but not with their growth, so
+decoding 512 tokens (640 the high one), fit with their prompts but not with their growth, so
 vLLM preempts the low ones (the high one is never preempted) and they wait. B has
 room. The router, through which every request goes (placed on A), sees A's
 preemptions and waiting requests in its ``/metrics`` and moves A's most important
@@ -31,7 +31,9 @@ from vllm_aio.migration.driver import Instance, generate_migrating
 
 # The high-priority request decodes longer than the others, so that it is still running on A
 # when the router, on a loaded 2-core machine, sees the pressure and reaches a block boundary.
-HIGH_TOKENS, LOW_TOKENS = 640, 256
+# The low ones decode long enough to crowd A for seconds after it arrives: at 256 tokens, with
+# engines on unpinned threads, they were done 3 s after it came and the router saw no pressure.
+HIGH_TOKENS, LOW_TOKENS = 640, 512
 HIGH, LOW = 0, 1  # vLLM: lower is more important
 PROMPTS = make_prompts(41, [300, 296, 304, 298, 302])  # the first is the high-priority one
 # float32: in bfloat16 a near-tied greedy token of the random tiny model flipped (token 26 of one
