@@ -125,7 +125,7 @@ class _Plan:
 
     runs: list[tuple[int, int]]  # [start, stop) of consecutive ids copied in place
     chunks: list[_Chunk]  # the other ids, through staging (or, pinned blocks, by a copy kernel)
-    # The other ids where the host copy is mapped: one swap kernel a layer moves them (``LayerBuffer._swap``).
+    # The other ids where the host copy is mapped: one swap kernel a layer moves them (``RowSwaps``).
     rest: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
 
