@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +178,58 @@ def test_stacked_view_holds_each_plane_of_each_block(shape):
     assert stacked.shape == (len(layout.planes[0]), NUM_BLOCKS, layout.planes[0][0].size)
     for p, plane in enumerate(layout.planes[0]):
         assert torch.equal(stacked[p], plane.blocks)
+
+
+
+def _mixed_layers(device: str) -> dict[str, torch.Tensor]:
+    """Five K/V-split layers of random bits, each its own allocation (as vLLM's per-layer caches)."""
+    return {f"l{i}": torch.randint(-(1 << 15), 1 << 15, (2, NUM_BLOCKS, 16, 8, 16), dtype=torch.int16,
+                                   device=device).view(torch.bfloat16) for i in range(5)}
+
+
+def plane_kernel_moves_blocks(device: str) -> None:
+    """The plane kernel gathers a batch of blocks of some layers into rows past a header and
+    scatters them elsewhere: the bytes of torch's per-plane path, no other block touched; it leaves
+    a one-layer batch to that path."""
+    from vllm_aio.plane_copy import PlaneCopies
+
+    caches = _mixed_layers(device)
+    names = list(caches)
+    reference = BlockLayout(caches, names, NUM_BLOCKS)
+    reference._kernel = None  # torch's index ops, plane by plane
+    kernel = PlaneCopies([[(p.base, p.stride, p.size) for p in planes] for planes in reference.planes],
+                         torch.device(device))
+    ids, into = torch.tensor([4, 0, 2], device=device), torch.tensor([1, 5, 3], device=device)
+    for layers in ([0, 1, 2, 3, 4], [3, 1, 4, 0]):
+        slots = torch.zeros(len(ids), 64 + reference.payload_bytes(layers), dtype=torch.uint8, device=device)
+        want = torch.zeros(len(ids), reference.payload_bytes(layers), dtype=torch.uint8, device=device)
+        assert kernel.gather(ids, layers, slots[:, 64:])  # rows strided past a header, as the pool's slots
+        reference.gather(ids, layers, want)
+        assert torch.equal(slots[:, 64:], want) and slots[:, :64].eq(0).all()
+        before = {n: t.clone() for n, t in caches.items()}
+        assert kernel.scatter(slots[:, 64:], into, layers)
+        for i, name in enumerate(names):
+            moved = before[name].clone()
+            if i in layers:
+                moved[:, into] = before[name][:, ids]
+            assert torch.equal(caches[name].view(torch.int16), moved.view(torch.int16))
+            caches[name].copy_(before[name])
+    one = torch.zeros(len(ids), reference.payload_bytes([2]), dtype=torch.uint8, device=device)
+    assert not kernel.gather(ids, [2], one) and one.eq(0).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_plane_kernel_moves_every_plane_of_a_batch_like_the_per_plane_path_on_cuda():
+    assert BlockLayout(_mixed_layers("cuda"), [f"l{i}" for i in range(5)], NUM_BLOCKS)._kernel is not None
+    plane_kernel_moves_blocks("cuda")
+    torch.cuda.synchronize()
+
+
+def test_plane_kernel_moves_every_plane_of_a_batch_like_the_per_plane_path_in_tritons_interpreter():
+    """The CUDA kernel's logic on the CPU, run by Triton's interpreter (set before Triton is imported)."""
+    pytest.importorskip("triton")
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    run = subprocess.run([sys.executable, "-c", "import test_block_layout as t; t.plane_kernel_moves_blocks('cpu')"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from vllm_aio import link_copy
+from vllm_aio.plane_copy import PlaneCopies
 from vllm_aio.log import get_logger
 
 logger = get_logger(__name__)
@@ -156,6 +157,14 @@ class Device:
                   stream: torch.Stream | None) -> RowSwaps:
         """``RowSwaps`` between each layer's ``host[l]`` and ``device[l]`` on ``stream``."""
         return RowSwaps(self, host, device, stream)
+
+    def plane_copies(self, layers: Sequence[Sequence[tuple[int, int, int]]]) -> PlaneCopies | None:
+        """One kernel per batch moving blocks of every plane of ``layers`` (each plane: address of
+        block 0, bytes between blocks, bytes per block) to or from rows on the device; None where
+        torch's per-plane index kernels do it (no CUDA, no Triton, planes of different shapes)."""
+        if self.torch_device.type == "cuda" and link_copy.available() and PlaneCopies.fits(layers):
+            return PlaneCopies(layers, self.torch_device)
+        return None
 
     def indices(self, values: list[int] | np.ndarray) -> torch.Tensor:
         """``values`` as an int64 tensor on the device, copied without blocking the host.

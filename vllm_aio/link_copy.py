@@ -37,6 +37,12 @@ import torch
 # Programs of one copy: few enough to leave the SMs to the forward, enough to
 # keep the link busy (8 to 66 ran at the same speed on the H200).
 PROGRAMS = 16
+# Programs of a swap (per plane). Measured on the H200 (dynamic-buffer benchmark, S=2, copies of
+# 32 KiB rows): a prefill loading 1,024 scattered blocks a layer beside its compute took 1.50x
+# the ideal step with 16 programs, 1.34x with 8, 1.24x with 4 (the copy's programs slowed the
+# forward's kernels more than they sped the link); a decode whose step is the link's (32 x 2,048,
+# scattered) 1.03x with 16, 1.05x with 8, 1.57x with 4. 8 is close to the best of both.
+SWAP_PROGRAMS = 8
 # Elements one program moves per access.
 BLOCK = 2048
 
@@ -154,7 +160,7 @@ class SwapLaunches:
         constexprs = (out, into, BLOCK)
         key = (constexprs, self._host_ptr[d] % 16, self._device_ptr[d] % 16, self._host_ptr[ld] % 16,
                self._device_ptr[ld] % 16)
-        grid = (min(PROGRAMS, rows), self._planes, 1)
+        grid = (min(SWAP_PROGRAMS, rows), self._planes, 1)
         args = self._arguments(self._host_ptr[d], self._device_ptr[d], self._device_ptr[ld], self._host_ptr[ld],
                                out_index.data_ptr(), in_index.data_ptr(), rows)
         compiled = self._compiled.get(key)

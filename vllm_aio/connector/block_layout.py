@@ -9,8 +9,10 @@ region of its tensor. Two shapes of per-layer tensor occur in vLLM 0.32:
 
 A plane is exposed twice: as addresses (``segments``), for backends that copy
 straight from host memory, and as a ``[num_blocks, bytes]`` byte tensor on the
-cache's device, for batched gathers and scatters (one call per plane and batch,
-not per block: per-block copies used a fifth of an H200's PCIe link).
+cache's device, for batched gathers and scatters (never one copy per block:
+per-block copies used a fifth of an H200's PCIe link). On CUDA one kernel
+moves a batch's every plane (``plane_copy.py``); elsewhere one index op per
+plane and batch.
 
 ``gather_planes`` and ``scatter_planes`` are the host fast paths (the dynamic
 buffer's host copy): one ``host_copy.copy_rows`` per plane, straight into the
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from vllm_aio.backends import Segment
+from vllm_aio.device import Device
 from vllm_aio.host_copy import copy_rows
 
 
@@ -49,6 +52,9 @@ class BlockLayout:
         self.planes = [_planes(name, kv_caches[name], num_blocks) for name in layer_names]
         self.num_blocks = num_blocks
         self.device = kv_caches[layer_names[0]].device
+        # Where one kernel moves a batch's every plane (``plane_copy.py``); else one index op per plane.
+        self._kernel = Device(self.device).plane_copies(
+            [[(p.base, p.stride, p.size) for p in planes] for planes in self.planes])
 
     def layer_bytes(self, layer: int) -> int:
         return sum(p.size for p in self.planes[layer])
@@ -65,6 +71,8 @@ class BlockLayout:
 
     def gather(self, block_ids: torch.Tensor, layers: Sequence[int], out: torch.Tensor) -> None:
         """Copy the blocks' bytes of ``layers`` into ``out`` ``[n, payload]`` (same device)."""
+        if self._kernel is not None and self._kernel.gather(block_ids, layers, out):
+            return
         offset = 0
         for i in layers:
             for p in self.planes[i]:
@@ -73,6 +81,8 @@ class BlockLayout:
 
     def scatter(self, src: torch.Tensor, block_ids: torch.Tensor, layers: Sequence[int]) -> None:
         """Copy ``src`` ``[n, payload]`` (same device) into the blocks of ``layers``."""
+        if self._kernel is not None and self._kernel.scatter(src, block_ids, layers):
+            return
         offset = 0
         for i in layers:
             for p in self.planes[i]:
