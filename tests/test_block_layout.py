@@ -225,8 +225,10 @@ def test_plane_kernel_moves_every_plane_of_a_batch_like_the_per_plane_path_on_cu
     torch.cuda.synchronize()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test runs the kernel itself")
 def test_plane_kernel_moves_every_plane_of_a_batch_like_the_per_plane_path_in_tritons_interpreter():
-    """The CUDA kernel's logic on the CPU, run by Triton's interpreter (set before Triton is imported)."""
+    """Where there is no GPU (CI): the CUDA kernel's logic on the CPU, run by Triton's interpreter
+    (set before Triton is imported; Triton 3.9's, not every version's, takes the planes' table)."""
     pytest.importorskip("triton")
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
