@@ -109,6 +109,16 @@ def serve(spec_path: str, result_fd: int) -> None:
 
 # ---------------------------------------------------------------- the handle (in the benchmark's process)
 
+def thread_binding() -> dict[str, str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for the engines: the caller's where set (with its
+    ``OMP_NUM_THREADS``, passed on with the environment), else every core, pinned.
+
+    Pinned, engines started side by side (the test suite's smoke runs) each put their first
+    OpenMP thread on core 0; the suite runs them unpinned (``tests/conftest.THREADS``).
+    """
+    return {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")}
+
+
 class EngineFailed(RuntimeError):
     pass
 

@@ -61,7 +61,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _engine import BLOCK_SIZE, ROOT, kv_bytes_per_token, make_prompts, value_bytes  # noqa: E402
+from _engine import BLOCK_SIZE, ROOT, kv_bytes_per_token, make_prompts, thread_binding, value_bytes  # noqa: E402
 from _report import arguments, print_markdown, progress, write_results  # noqa: E402  (benchmarks/ is on sys.path)
 from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy  # noqa: E402
 from vllm_aio.migration.driver import Instance, MigrationError, MoveReport, move_kv  # noqa: E402
@@ -118,7 +118,7 @@ class Sizing:
 
     def env(self) -> dict[str, str]:
         return {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "PYTHONHASHSEED": "0", "VLLM_PLUGINS": PLUGINS,
-                "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+                **thread_binding(),
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 

@@ -23,7 +23,8 @@ came from the pool. TTFT is vLLM's own first-token latency; median of
 Engines are ``benchmarks/_engine.py`` subprocesses, as in ``benchmarks/ttft.py``
 (and checked the same way, ``failed_hit_tokens`` included); block size 32,
 eager, ``VLLM_CPU_KVCACHE_SPACE=1``, ``PYTHONHASHSEED=0``; TP=1 binds OpenMP to
-``0-{ncpu-1}``, TP=2 uses the ``mp`` executor with ``VLLM_CPU_OMP_THREADS_BIND=0|1``.
+``0-{ncpu-1}`` (or the caller's ``VLLM_CPU_OMP_THREADS_BIND``), TP=2 uses the ``mp`` executor
+with ``VLLM_CPU_OMP_THREADS_BIND=0|1``.
 
     .venv/bin/python benchmarks/mooncake_ttft.py --tp 1,2 --lengths 1024,2048,4096 --repeats 3
 
@@ -49,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _engine import (  # noqa: E402  (benchmarks/ is on sys.path)
     BLOCK_SIZE, ROOT, EngineFailed, EngineProc, Engines, check_hits, check_loads, chosen, engine_arguments,
-    exit_code, make_prompts, plot_ttft, summarize)
+    exit_code, make_prompts, plot_ttft, summarize, thread_binding)
 from _report import arguments, print_markdown, progress, write_results  # noqa: E402
 
 SYSTEMS = ("recompute", "MooncakeStoreConnector", "vllm_aio")
@@ -132,7 +133,7 @@ class Bench:
         self.workdir.mkdir(parents=True)
         env = {k: v for k, v in os.environ.items() if k not in SCRUB_ENV}
         env.update(VLLM_CPU_KVCACHE_SPACE=str(KV_GIB),
-                   VLLM_CPU_OMP_THREADS_BIND=args.tp2_bind if tp == 2 else f"0-{os.cpu_count() - 1}")
+                   VLLM_CPU_OMP_THREADS_BIND=args.tp2_bind if tp == 2 else thread_binding()["VLLM_CPU_OMP_THREADS_BIND"])
         self.engines = Engines(model_dir, self.workdir, max(8192, max(lengths) + 512), args.timeout, env,
                                seed=20_000 + tp * 100)
         self.pools: dict = {}

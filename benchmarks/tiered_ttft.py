@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _engine import (  # noqa: E402  (benchmarks/ is on sys.path)
     BLOCK_SIZE, ROOT, EngineFailed, Engines, check_hits, check_loads, chosen, engine_arguments, exit_code,
-    make_prompts, summarize, value_bytes)
+    make_prompts, summarize, thread_binding, value_bytes)
 from _report import arguments, print_markdown, write_results  # noqa: E402
 from mooncake_ttft import SCRUB_ENV, settle  # noqa: E402
 
@@ -77,7 +77,7 @@ def run_model(name: str, args, lengths: list[int], systems: list[str], workdir: 
     model_dir = ensure_model(ROOT / "models" / name, PRESETS[name])
     value = value_bytes(model_dir)
     env = {k: v for k, v in os.environ.items() if k not in SCRUB_ENV}
-    env.update(VLLM_CPU_KVCACHE_SPACE=str(KV_GIB), VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}")
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(KV_GIB), **thread_binding())
     engines = Engines(model_dir, workdir / name, max(8192, max(lengths) + 512), args.timeout, env, seed=30_000)
     engines.workdir.mkdir(parents=True)
     # One prompt per sample: the remote-tier engine promotes what it loads, so a prompt loads remotely once.

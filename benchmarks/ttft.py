@@ -18,7 +18,8 @@ first-token latency (``RequestOutput.metrics.first_token_latency``); the median
 over ``--repeats`` (x ``--rounds`` fresh engines) is reported, the minimum too.
 
 Every engine runs in a subprocess (``benchmarks/_engine.py``) with the same
-pinned environment (``VLLM_CPU_OMP_THREADS_BIND``, ``PYTHONHASHSEED=0``).
+environment: OpenMP threads pinned to every core unless the caller sets
+``VLLM_CPU_OMP_THREADS_BIND`` (``_engine.thread_binding``), ``PYTHONHASHSEED=0``.
 The run fails its hit check when a warm request cached less than 80% of its
 prompt, recompute cached anything, or a vllm_aio engine counted hits it then
 failed to load (``failed_hit_tokens``: vLLM recomputed them, so the sample
@@ -61,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _engine import (  # noqa: E402  (benchmarks/ is on sys.path)
     ROOT, EngineFailed, Engines, check_hits, check_loads, chosen, engine_arguments, exit_code, make_prompts,
-    plot_ttft, summarize, value_bytes)
+    plot_ttft, summarize, thread_binding, value_bytes)
 from _report import arguments, print_markdown, progress, write_results  # noqa: E402
 
 POOL_SIZE = "4GB"
@@ -114,8 +115,7 @@ def bench_model(name: str, lengths: list[int], systems: list[str], args) -> dict
     workdir = Path(tempfile.mkdtemp(prefix=f"vllm_aio_ttft_{name}_"))
     pool_name = f"bench-ttft-{uuid.uuid4().hex[:12]}"
     print(f"model {name}: {model_dir} (pool value {value} bytes; logs in {workdir})", flush=True)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(settings["kv_gib"]),
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(settings["kv_gib"]), **thread_binding()}
     engines = Engines(model_dir, workdir, max_len, args.timeout, env)
     # The pool outlives engine A because this process holds it (opened as the engines open it).
     holder = LocalBackend(pool_name, parse_size("local_pool_size", POOL_SIZE), value, seal=False)

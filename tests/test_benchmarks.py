@@ -4,7 +4,8 @@ Benchmarks measure, tests do not: this only keeps the scripts from rotting
 (an API they call changed, a size they compute went stale). The two scripts
 that run real vLLM engines (and ``migration``, two ``vllm serve``) take a minute or more, mostly starting them:
 they start side by side when the first test runs and their tests wait for
-them, while the others run one at a time meanwhile. ``priority`` and ``soak``
+them (their engines' OpenMP threads unpinned, as the engine tests run theirs), while the
+others run one at a time meanwhile. ``priority`` and ``soak``
 (one engine or server at a time, one torch thread each) then start side by
 side: alone, each kept one of the two cores busy. Under ``CI`` a missing
 prerequisite fails the test, as ``conftest.require`` does, instead of
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, THREADS
 
 BENCHMARKS = ROOT / "benchmarks"
 TIMEOUT_S = 300  # per script, from its start (a guard against hangs)
@@ -129,7 +130,9 @@ def started_together(request, out: Path, group: tuple[str, ...], env: dict[str, 
 
 @pytest.fixture(scope="module")
 def engine_runs(request, out: Path) -> Iterator[dict[str, Run]]:
-    yield from started_together(request, out, ENGINE_SCRIPTS)
+    # Unpinned, as the engine tests run theirs: pinned, the three scripts' engines each put
+    # their first OpenMP thread on core 0.
+    yield from started_together(request, out, ENGINE_SCRIPTS, THREADS)
 
 
 @pytest.fixture(scope="module")
