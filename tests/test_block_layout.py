@@ -180,7 +180,6 @@ def test_stacked_view_holds_each_plane_of_each_block(shape):
         assert torch.equal(stacked[p], plane.blocks)
 
 
-
 def _mixed_layers(device: str) -> dict[str, torch.Tensor]:
     """Five K/V-split layers of random bits, each its own allocation (as vLLM's per-layer caches)."""
     return {f"l{i}": torch.randint(-(1 << 15), 1 << 15, (2, NUM_BLOCKS, 16, 8, 16), dtype=torch.int16,
