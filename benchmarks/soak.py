@@ -4,7 +4,7 @@
 a pool holding about a third of the working set (so it evicts all along),
 repeated in passes (each pass in another order) until the time is up. A
 no-connector server runs the same 200 requests once first: every output of the
-soak is compared with it, token for token up to a near tie and logprobs within
+soak is compared with it, token for token until it parts at a near tie, logprobs within
 1e-3 (float32 serving, ``vllm_aio/devtools/load.py``).
 
 The table: requests, errors, wrong outputs, TTFT p50/p99 of requests that hit

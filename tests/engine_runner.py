@@ -38,6 +38,7 @@ def run(spec: dict) -> dict:
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
         distributed_executor_backend="mp",
         attention_backend=spec.get("attention_backend"),
+        dtype=spec.get("dtype", "auto"),
         kv_transfer_config=spec.get("kv_transfer_config"),
         kv_events_config=_kv_events_config(spec.get("kv_events_config")),
         num_gpu_blocks_override=spec.get("num_gpu_blocks_override"),
@@ -46,18 +47,39 @@ def run(spec: dict) -> dict:
         disable_log_stats=False,
         seed=0,
     )
+    dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     resumed = _ResumedPrefills()
     llm.llm_engine.logger_manager.stat_loggers.append(resumed)
-    params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0, logprobs=0)
+    # The top two logprobs: their gap tells a near tie (conftest.assert_same_generation).
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0, logprobs=2)
     rounds = []
     for i, prompts in enumerate(spec["rounds"]):
         if i and spec.get("handshake_dir"):
             _handshake(Path(spec["handshake_dir"]), i)
         priority = spec["priorities"][i] if spec.get("priorities") else None
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, priority=priority)
-        rounds.append([_result(o) for o in outputs])
+        rounds.append([_result(o, dtype) for o in outputs])
     return {"rounds": rounds, "preemptions": _counter(llm, "vllm:num_preemptions"), "aio": _aio_counters(llm),
-            "recomputed_after_preemption": resumed.recomputed}
+            "recomputed_after_preemption": resumed.recomputed, "workers": llm.collective_rpc(_worker_facts)}
+
+
+def _worker_facts(worker) -> dict:
+    """Asked of every worker process after the run: which kernels its attention layers used and
+    whether the process holds the AMX tile permission (read from the kernel here, not from the
+    connector's word)."""
+    import ctypes
+    import platform
+
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    mask = ctypes.c_ulong(0)
+    arch_prctl, get_xcomp_perm, xtiledata = 158, 0x1022, 1 << 18  # x86-64's numbers
+    failed = platform.machine() != "x86_64" or ctypes.CDLL(None).syscall(arch_prctl, get_xcomp_perm,
+                                                                         ctypes.byref(mask)) != 0
+    layers = get_layers_from_vllm_config(worker.vllm_config, Attention)
+    return {"pid": os.getpid(), "amx_tiles": not failed and bool(mask.value & xtiledata),
+            "attention": sorted({str(getattr(layer, "isa", None)) for layer in layers.values()})}
 
 
 class _ResumedPrefills:
@@ -101,13 +123,17 @@ def _handshake(directory: Path, round_index: int) -> None:
         time.sleep(0.05)
 
 
-def _result(output) -> dict:
+def _result(output, dtype: str) -> dict:
+    from vllm_aio.devtools.greedy import top_two_gap
+
     completion = output.outputs[0]
     return {
         "prompt_len": len(output.prompt_token_ids),
         "cached": output.num_cached_tokens,
         "token_ids": list(completion.token_ids),
         "logprobs": [lp[tok].logprob for lp, tok in zip(completion.logprobs, completion.token_ids)],
+        "margins": [top_two_gap(p.logprob for p in lp.values()) for lp in completion.logprobs],
+        "dtype": dtype,  # what the model ran in: it sets the near-tie bound and the logprob tolerance
     }
 
 

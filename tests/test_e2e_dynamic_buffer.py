@@ -16,9 +16,9 @@ import re
 
 import pytest
 
-from conftest import Engine, aio_config, assert_same_generation, make_prompts
+from conftest import FLOAT32, Engine, aio_config, assert_same_generation, make_prompts
 
-PAGE = 6 * 16 << 10  # bytes of one block of all six layers (2 KV heads x 64 x 32 tokens, bf16, K and V)
+PAGE = 6 * 32 << 10  # bytes of one block of all six layers (2 KV heads x 64 x 32 tokens, float32, K and V)
 MEMORY = 15 * PAGE  # KV memory: 15 blocks normally, 45 with the buffer
 BLOCKS = 45  # the prompts take 40 blocks, decoding ~48: some requests are preempted
 PROMPTS = make_prompts(seed=61, lengths=[310, 300, 305, 290])
@@ -32,6 +32,9 @@ RUN = {
     "kv_cache_memory_bytes": MEMORY,
     "max_tokens": 64,
     "max_model_len": 400,
+    # float32: the buffered run attends over KV streamed and loaded back where the reference kept it;
+    # in bf16 even the negative control's wrong layer moved logprobs no more than rounding does.
+    **FLOAT32,
 }
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 

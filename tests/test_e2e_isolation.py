@@ -14,15 +14,14 @@ import uuid
 
 import pytest
 
-from conftest import PROMPTS, aio_config, assert_same_generation
-from test_e2e_pool import _block_bytes
+from conftest import PROMPTS, aio_config, assert_same_generation, block_value_bytes
 from vllm_aio.pool.host_pool import SharedHostPool
 
 
 @pytest.fixture
 def held_pool(tiny_model):
     name = f"iso-{uuid.uuid4().hex[:8]}"
-    holder = SharedHostPool(name, _block_bytes(tiny_model), 4096)
+    holder = SharedHostPool(name, block_value_bytes(tiny_model), 4096)
     yield name, holder
     holder.close()
 

@@ -25,7 +25,7 @@ import uuid
 import pytest
 import requests
 
-from conftest import LOGPROB_TOLERANCE, ROOT, aio_config, make_prompts, require
+from conftest import ROOT, aio_config, assert_same_continuation, make_prompts, require
 from servers import Servers
 from vllm_aio.migration.driver import Instance, MigrationError, generate_migrating, move_kv
 from vllm_aio.migration.transport import late_write_bound
@@ -80,12 +80,6 @@ def unmigrated(instance: Instance, prompt: list[int]):
     return result
 
 
-def assert_same(got, want) -> None:
-    assert got.token_ids == want.token_ids
-    worst = max(abs(x - y) for x, y in zip(got.logprobs, want.logprobs))
-    assert worst <= LOGPROB_TOLERANCE, f"logprobs differ by {worst}"
-
-
 def writing_slots(instance: Instance) -> int:
     return instance.call("status", {})["writing_slots"]
 
@@ -96,7 +90,7 @@ def test_request_moved_mid_generation_continues_exactly_on_the_target(a, b):
     assert len(set(want.token_ids)) > 5  # the model's output varies: equality means something
     got = generate_migrating(a, b, prompt, MAX_TOKENS, AFTER, NO_EOS)
     assert got.error is None and got.moved_after is not None and got.moved_after >= AFTER, got.error
-    assert_same(got, want)
+    assert_same_continuation(got, want)
     moved = len(prompt) + got.moved_after
     full_blocks = moved // 32
     report = got.report
@@ -245,7 +239,7 @@ def test_target_dying_between_allocate_and_commit_leaves_the_request_on_the_sour
     want = unmigrated(a, prompt)
     got = generate_migrating(a, _KillsAfterAllocate(cluster["c"], timeout=30), prompt, MAX_TOKENS, AFTER, NO_EOS)
     assert got.moved_after is None and got.error  # not moved, and the caller was told why
-    assert_same(got, want)  # the source finished the request: nothing lost
+    assert_same_continuation(got, want)  # the source finished the request: nothing lost
 
 
 def test_source_dying_before_commit_frees_the_reservation_by_the_watchdog(cluster, a, b):

@@ -10,7 +10,8 @@ import uuid
 
 import pytest
 
-from conftest import PROMPTS, TP2, Engine, aio_config, assert_output_varies, assert_same_generation
+from conftest import (PROMPTS, TP2, Engine, aio_config, assert_output_varies, assert_same_generation, block_value_bytes,
+                      host_has_amx)
 
 
 def _cached_fraction(result: dict) -> float:
@@ -31,25 +32,12 @@ def test_model_output_varies(baseline):
     assert_output_varies(baseline["warm"])
 
 
-
-def _block_bytes(model, tp: int = 1) -> int:
-    """One stored value: header + one rank's block of every layer (bf16, block size 32)."""
-    import json
-
-    from vllm_aio.pool.entry import HEADER_BYTES
-
-    cfg = json.loads((model / "config.json").read_text())
-    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    heads_per_rank = max(1, cfg["num_key_value_heads"] // tp)
-    return HEADER_BYTES + cfg["num_hidden_layers"] * 2 * heads_per_rank * head_dim * 32 * 2
-
-
 def test_producer_stores_and_consumer_only_loads(engine, baseline, tiny_model):
     from vllm_aio.pool.host_pool import SharedHostPool
 
     name = f"pd-{uuid.uuid4().hex[:8]}"
     # The test holds the pool between the two instances, as a long-lived host would.
-    holder = SharedHostPool(name, _block_bytes(tiny_model), 4096)
+    holder = SharedHostPool(name, block_value_bytes(tiny_model), 4096)
     try:
         prompts, new = PROMPTS["pd"], PROMPTS["pd_new"]
         first, second = engine.run([prompts, prompts], aio_config("kv_producer", local_pool_name=name))
@@ -111,10 +99,13 @@ def _tp2_run(model, workdir) -> int:
 
     engine = Engine(model, workdir)
     name = f"tp2-{uuid.uuid4().hex[:8]}"
-    holder = SharedHostPool(name, _block_bytes(model, tp=2), 4096)
+    holder = SharedHostPool(name, block_value_bytes(model, tp=2), 4096)
     try:
         prompts = PROMPTS["tp2"]
         cold, warm = engine.run([prompts, prompts], aio_config(local_pool_name=name), **TP2)
+        # Each rank's process asked for the AMX tiles its attention kernels use (test_e2e_amx.py).
+        assert len({w["pid"] for w in engine.last_workers}) == 2
+        assert all(w["amx_tiles"] == host_has_amx() for w in engine.last_workers), engine.last_workers
         assert all(_cached_fraction(r) >= 0.8 for r in warm), [r["cached"] for r in warm]
         assert_output_varies(cold)
         assert_same_generation(warm, cold)  # the cold pass as reference: see conftest

@@ -12,9 +12,10 @@ queried and not hit for resumed requests.
 
 from __future__ import annotations
 
-from conftest import aio_config, assert_same_generation, make_prompts
+from conftest import FLOAT32, aio_config, assert_same_generation, make_prompts
 
 PROMPTS = make_prompts(seed=71, lengths=[300, 290, 310, 305])
+BLOCK = 32
 PRIORITIES = [0, 1, 1, 1]  # vLLM: lower is more important; the three 1s are preempted first
 RUN = {
     "scheduling_policy": "priority",
@@ -28,6 +29,9 @@ RUN = {
     "num_gpu_blocks_override": 48,
     "max_tokens": 256,
     "max_model_len": 1024,
+    # A resumed request attends over loaded decode-written KV where the baseline recomputed it:
+    # float32, so that rounding is far below what a wrong byte does (conftest.LOGPROB_TOLERANCE).
+    **FLOAT32,
 }
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # every request queued before the first step
 
@@ -40,8 +44,10 @@ def test_a_preempted_request_resumes_by_loading_its_blocks_not_recomputing_them(
     (got,) = engine.run([PROMPTS], aio_config(local_pool_size="64MB"), env=IN_PROCESS, **RUN)
     assert engine.last_preemptions > 0
     assert engine.last_counters.get("load_failures", 0) == 0
-    assert engine.last_recomputed_after_preemption <= 0.1 * recomputed_without, (
-        engine.last_recomputed_after_preemption, recomputed_without)
+    # Only each resumed request's last, partial block is computed again (full blocks were rescued).
+    recomputed = engine.last_recomputed_after_preemption
+    assert recomputed <= BLOCK * engine.last_preemptions and recomputed < recomputed_without, (
+        recomputed, engine.last_preemptions, recomputed_without)
     print(f"preemptions {engine.last_preemptions}; tokens recomputed after preemption: "
           f"{engine.last_recomputed_after_preemption} with the connector, {recomputed_without} without")
     assert_same_generation(got, baseline)

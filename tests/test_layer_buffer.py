@@ -332,3 +332,12 @@ def test_attention_backends_that_read_blocks_elsewhere_are_refused():
     check_backends({"layer.0": "CPU_ATTN", "layer.1": "FLASH_ATTN"})
     with pytest.raises(ConfigError, match="attention backend FLASHINFER is not supported; it needs one of CPU_ATTN"):
         check_backends({"layer.0": "FLASHINFER"})
+
+
+def test_caches_vllm_did_not_lay_out_for_the_buffer_are_refused():
+    # Without the vllm_aio_buffer_plan plugin every layer keeps memory of its own: the buffer would
+    # stream nothing and the engine would run on a third of the blocks, silently.
+    names = [f"layer.{i}" for i in range(4)]
+    own = {n: torch.zeros(NUM_BLOCKS, *PAGE, dtype=torch.bfloat16) for n in names}
+    with pytest.raises(ValueError, match="dynamic_buffer_layers: layer layer.2 is not the memory of buffer 0"):
+        LayerBuffer(own, names, NUM_BLOCKS, 2, 1 << 20)

@@ -47,6 +47,20 @@ def test_other_connectors_resolve_as_before(factory):
     assert factory.get_connector_class(by_path).__name__ == "RecordingAioConnector"
 
 
+def test_subclasses_of_the_connector_in_other_modules_count_as_ours(factory):
+    # The dynamic buffer's plan (buffer_plan.py) runs for them too: the tests' fault-injecting
+    # connector once ran its buffer over caches vLLM never laid out for it.
+    from vllm_aio.registration import selects_aio
+
+    assert selects_aio(_transfer_config(kv_connector="RecordingAioConnector",
+                                        kv_connector_module_path="recording_connector"))
+    assert selects_aio(_transfer_config(kv_connector="AioConnector", kv_connector_module_path="vllm_aio.connector"))
+    assert not selects_aio(_transfer_config(
+        kv_connector="ExampleConnector",
+        kv_connector_module_path="vllm.distributed.kv_transfer.kv_connector.v1.example_connector"))
+    assert not selects_aio(_transfer_config(kv_connector="ExampleConnector"))
+
+
 def test_plugin_lists_the_servers_use_load_the_registration(monkeypatch, factory):
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
 

@@ -28,10 +28,18 @@ def register() -> None:
 
 
 def selects_aio(transfer_config: Any) -> bool:
-    """Whether a ``KVTransferConfig`` runs this package's connector: by module path, or by its registered name."""
+    """Whether a ``KVTransferConfig`` runs this package's connector: by module path, by its registered
+    name, or as a subclass of it in a module of the user's (imported here, as vLLM's factory will)."""
     if transfer_config is None:
         return False
     module = transfer_config.kv_connector_module_path
-    if module:
-        return str(module).startswith("vllm_aio")
-    return transfer_config.kv_connector == CONNECTOR
+    if not module:
+        return transfer_config.kv_connector == CONNECTOR
+    if str(module).startswith("vllm_aio"):
+        return True
+    import importlib
+
+    from vllm_aio.connector import AioConnector
+
+    chosen = getattr(importlib.import_module(module), transfer_config.kv_connector or "", None)
+    return isinstance(chosen, type) and issubclass(chosen, AioConnector)

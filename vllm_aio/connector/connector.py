@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from vllm_aio.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
 from vllm_aio.backends import Backend, create_backend
 from vllm_aio.config import parse_extra_config
 from vllm_aio.connector.deployment import build_deployment
@@ -66,6 +67,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: AioScheduler | None = None
         self._worker: AioWorker | None = None
         self._migration = None
+        self._amx: AmxPermission | None = None  # the worker's, on vLLM's CPU platform
         self._num_blocks = kv_cache_config.num_blocks
         # vLLM's KV cache events (--kv-events-config): only an instance that saves has pool blocks to announce.
         events_config = vllm_config.kv_events_config
@@ -85,6 +87,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
                     transfer.kv_role, transfer.engine_id,
                 )
         else:
+            self._amx = _amx_for_cpu_attention()
             self._worker = AioWorker(dep, backend, Ownership(_topology(dep)), cfg, kv_events=kv_events)
 
     def open_backend(self, cfg: "AioConfig", dep: "Deployment", for_scheduler: bool) -> Backend:
@@ -94,6 +97,8 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- worker side -------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        if self._amx is not None:
+            _log_cpu_attention(self._vllm_config, kv_caches, self._amx)
         if self._worker.resident_blocks:
             from vllm.config import get_layers_from_vllm_config
             from vllm.model_executor.layers.attention.attention import Attention
@@ -201,6 +206,26 @@ def _topology(dep) -> "Topology":
         pcp_rank=ps.get_pcp_group().rank_in_group,
         dcp_rank=ps.get_dcp_group().rank_in_group,
     )
+
+
+def _amx_for_cpu_attention() -> AmxPermission | None:
+    """On vLLM's CPU platform, the AMX permission its attention kernels need (``amx_permission.py``),
+    asked before the first forward; elsewhere None."""
+    from vllm.platforms import current_platform
+
+    return ensure_amx_for_cpu_attention() if current_platform.is_cpu() else None
+
+
+def _log_cpu_attention(vllm_config: "VllmConfig", kv_caches: dict[str, "torch.Tensor"], amx: AmxPermission) -> None:
+    """Which kernels vLLM's CPU attention chose (its metadata builders set ``isa`` on each layer
+    before the KV cache is registered): a run's log then says which path it exercised."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention, list(kv_caches))
+    isas = sorted({str(getattr(layer, "isa", "unknown")) for layer in layers.values()}) or ["none"]
+    logger.info("vllm_aio: CPU attention kernels %s; AMX tiles %s%s", "/".join(isas), amx.state.value,
+                f" ({amx.reason})" if amx.reason else "")
 
 
 def _describe_groups(dep) -> str:

@@ -170,6 +170,7 @@ class LayerBuffer:
     ) -> None:
         """``num_blocks``: the device caches' blocks, the private ones of ``resident_blocks`` (P per
         layer) included; ``block_tokens``: tokens per block (with resident blocks: vLLM's slot mapping)."""
+        check_buffers_shared(device_caches, layer_names, buffers)
         first = device_caches[layer_names[0]]
         self.device = Device(first.device)
         # vLLM's blocks; the private ones follow them in the device caches.
@@ -555,6 +556,21 @@ class NoBuffer:
 
     def close(self) -> None:
         pass
+
+
+def check_buffers_shared(caches: Mapping[str, torch.Tensor], layer_names: Sequence[str], buffers: int) -> None:
+    """Refuse caches that vLLM did not lay out for the buffer: layer ``l`` must be buffer ``l % S``'s
+    memory (``buffer_plan.py``). Unshared, every layer keeps its own KV and the buffer streams
+    nothing, with a third of the blocks it promised."""
+    for i, name in enumerate(layer_names[buffers:], start=buffers):
+        first = layer_names[i % buffers]
+        if caches[name].data_ptr() != caches[first].data_ptr():
+            raise ValueError(
+                f"dynamic_buffer_layers: layer {name} is not the memory of buffer {i % buffers} ({first}): "
+                "vLLM did not re-plan its KV cache for the buffer. The vllm_aio_buffer_plan plugin does, "
+                "in every vLLM process, when the package is installed and, with VLLM_PLUGINS set, that "
+                "list names vllm_aio_buffer_plan"
+            )
 
 
 def _host_copy(

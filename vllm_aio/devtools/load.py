@@ -9,9 +9,10 @@ requests and their outputs can be compared request by request.
 Comparing two runs: greedy decoding picks the top token, and on a near tie
 (the top two logprobs within ``tolerance``) float rounding that depends on
 how the batch was formed can pick either; what follows then legitimately
-differs. ``compare`` checks each output token for token up to the baseline's
-first near tie, and the logprobs before it within ``tolerance``; a request with
-a near tie is counted, so a run where ties hide much can be told apart.
+differs. ``compare`` checks each output token for token until it parts from
+the baseline, which it may only at one of the baseline's near ties, and the
+logprobs until then within ``tolerance`` (``greedy.py``); a request that parted
+at a near tie is counted, so a run where ties hide much can be told apart.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import requests
+
+from vllm_aio.devtools.greedy import agreement, top_two_gap
 
 
 def server_args(max_num_seqs: int, max_model_len: int = 8192) -> list[str]:
@@ -118,9 +121,7 @@ def _take_chunk(out: Outcome, chunk: dict, start: float) -> None:
         out.token_ids += ids
         logprobs = choice.get("logprobs") or {}
         out.logprobs += logprobs.get("token_logprobs") or []
-        for top in logprobs.get("top_logprobs") or []:
-            best = sorted(top.values(), reverse=True) + [float("-inf")]
-            out.margins.append(best[0] - best[1])
+        out.margins += [top_two_gap(top.values()) for top in logprobs.get("top_logprobs") or []]
     usage = chunk.get("usage")
     if usage:
         out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
@@ -145,8 +146,8 @@ def run_load(base: str, model: str, prompts: list[list[int]], concurrency: int, 
 @dataclass
 class Comparison:
     compared: int = 0  # requests both runs completed
-    wrong: list[int] = field(default_factory=list)  # indices whose output differs before a near tie
-    near_ties: int = 0  # requests whose baseline output has a near tie (compared up to it)
+    wrong: list[int] = field(default_factory=list)  # indices whose output parts where it may not
+    near_ties: int = 0  # requests that parted from the baseline at one of its near ties
     worst_logprob_gap: float = 0.0
 
 
@@ -156,15 +157,10 @@ def compare(got: list[Outcome], want: list[Outcome], tolerance: float) -> Compar
         if g.error or w.error:
             continue
         result.compared += 1
-        upto = next((i for i, m in enumerate(w.margins) if m < tolerance), len(w.token_ids))
-        result.near_ties += upto < len(w.token_ids)
-        # The token at a near tie may go either way; the ones before it may not.
-        if g.token_ids[:upto] != w.token_ids[:upto]:
-            result.wrong.append(g.index)
-            continue
-        gaps = [abs(a - b) for a, b in zip(g.logprobs[:upto], w.logprobs[:upto])]
-        result.worst_logprob_gap = max([result.worst_logprob_gap, *gaps])
-        if any(gap > tolerance for gap in gaps):
+        match = agreement(g.token_ids, g.logprobs, w.token_ids, w.logprobs, w.margins, tolerance)
+        result.near_ties += bool(match.parted_at_near_tie)
+        result.worst_logprob_gap = max(result.worst_logprob_gap, match.worst_logprob_gap)
+        if not match.within(tolerance):
             result.wrong.append(g.index)
     return result
 

@@ -46,6 +46,8 @@ from typing import Any
 
 import requests
 
+from vllm_aio.devtools.greedy import top_two_gap
+
 
 class MigrationError(RuntimeError):
     def __init__(self, message: str, status: int | None = None) -> None:
@@ -178,6 +180,7 @@ class _Phases:
 class Generation:
     token_ids: list[int]  # generated tokens: on the source, then on the target
     logprobs: list[float]
+    margins: list[float]  # each token's top-two logprob gap: where two generations may part (devtools/greedy.py)
     text: str
     moved_after: int | None  # tokens generated on the source before the move; None: not moved
     report: MoveReport | None = None
@@ -190,12 +193,12 @@ def generate_migrating(source: Instance, target: Instance, prompt_token_ids: lis
                        on_token: Callable[[int, str], None] | None = None) -> Generation:
     """Generate ``max_tokens`` tokens, moving the request from ``source`` to ``target`` once it has
     generated at least ``migrate_after`` and reached a block boundary (see the module docstring)."""
-    out = Generation([], [], "", None)
+    out = Generation([], [], [], "", None)
     block_size = source.call("session", {})["block_size"]
     stream = _Completion(source, prompt_token_ids, max_tokens, sampling)
     try:
-        for token, logprob, text in stream:
-            _add(out, token, logprob, text, on_token)
+        for step in stream:
+            _add(out, step, on_token)
             at_boundary = (len(prompt_token_ids) + len(out.token_ids)) % block_size == 1
             if len(out.token_ids) >= migrate_after and at_boundary and not stream.finished:
                 break
@@ -205,28 +208,37 @@ def generate_migrating(source: Instance, target: Instance, prompt_token_ids: lis
             out.report = move_kv(source, target, prompt_token_ids + out.token_ids)
         except MigrationError as exc:
             out.error = str(exc)  # the source keeps serving: read it to the end
-            for token, logprob, text in stream:
-                _add(out, token, logprob, text, on_token)
+            for step in stream:
+                _add(out, step, on_token)
             return out
     finally:
         stream.close()  # closing the stream aborts the request on the source
     out.moved_after = len(out.token_ids)
     rest = _Completion(target, prompt_token_ids + out.token_ids, max_tokens - out.moved_after, sampling)
     try:
-        for token, logprob, text in rest:
-            _add(out, token, logprob, text, on_token)
+        for step in rest:
+            _add(out, step, on_token)
     finally:
         rest.close()
     out.cached_tokens = rest.cached_tokens
     return out
 
 
-def _add(out: Generation, token: int, logprob: float, text: str, on_token) -> None:
-    out.token_ids.append(token)
-    out.logprobs.append(logprob)
-    out.text += text
+@dataclass(frozen=True)
+class _Step:
+    token: int
+    logprob: float
+    margin: float
+    text: str
+
+
+def _add(out: Generation, step: _Step, on_token) -> None:
+    out.token_ids.append(step.token)
+    out.logprobs.append(step.logprob)
+    out.margins.append(step.margin)
+    out.text += step.text
     if on_token is not None:
-        on_token(token, text)
+        on_token(step.token, step.text)
 
 
 class _Completion:
@@ -234,7 +246,7 @@ class _Completion:
 
     def __init__(self, instance: Instance, prompt: list[int], max_tokens: int, sampling: dict[str, Any] | None):
         body = {"model": instance.model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "stream": True, "return_token_ids": True, "logprobs": 0,
+                "stream": True, "return_token_ids": True, "logprobs": 2,
                 "stream_options": {"include_usage": True}, **(sampling or {})}
         self._response = requests.post(f"{instance.url}/v1/completions", json=body, headers=instance.headers(),
                                        stream=True, timeout=instance.timeout)
@@ -245,7 +257,7 @@ class _Completion:
         self.finished = False
         self.cached_tokens = 0
 
-    def __iter__(self) -> Iterator[tuple[int, float, str]]:
+    def __iter__(self) -> Iterator[_Step]:
         for line in self._events:
             if not line.startswith(b"data: "):
                 continue
@@ -259,10 +271,12 @@ class _Completion:
                 self.cached_tokens = details.get("cached_tokens") or 0
             for choice in chunk.get("choices", []):
                 tokens = choice.get("token_ids") or []
-                logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or [0.0] * len(tokens)
-                texts = (choice.get("logprobs") or {}).get("tokens") or [""] * len(tokens)
-                for token, logprob, text in zip(tokens, logprobs, texts):
-                    yield token, logprob, text
+                found = choice.get("logprobs") or {}
+                logprobs = found.get("token_logprobs") or [0.0] * len(tokens)
+                tops = found.get("top_logprobs") or [{}] * len(tokens)
+                texts = found.get("tokens") or [""] * len(tokens)
+                for token, logprob, top, text in zip(tokens, logprobs, tops, texts):
+                    yield _Step(token, logprob, top_two_gap((top or {}).values()), text)
                 if choice.get("finish_reason"):
                     self.finished = True
 
