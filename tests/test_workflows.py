@@ -8,12 +8,14 @@ Ascend runners are declared in ``.github/actionlint.yaml``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT
 
@@ -47,3 +49,58 @@ def test_workflows_pass_actionlint():
 
 def test_workflows_match_githubs_schema():
     check([tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", *WORKFLOWS])
+
+
+
+# The NPU workflow: what keeps it startable, and its install from re-resolving vLLM.
+
+def npu_workflow() -> dict:
+    return yaml.safe_load((ROOT / ".github" / "workflows" / "npu.yml").read_text(encoding="utf-8"))
+
+
+def npu_job() -> dict:
+    (job,) = npu_workflow()["jobs"].values()
+    return job
+
+
+def test_npu_job_runs_only_where_the_runner_variable_names_a_runner():
+    # A label no runner has queues for 24 hours, then is cancelled: without the variable the
+    # job is skipped instead, and the label is never written into the workflow.
+    job = npu_job()
+    assert "vars.ASCEND_RUNNER" in job["if"] and "!= ''" in job["if"]
+    assert job["runs-on"].startswith("${{") and "vars.ASCEND_RUNNER" in job["runs-on"]
+
+
+def test_npu_steps_run_in_a_login_bash():
+    assert npu_workflow()["defaults"]["run"]["shell"] == "bash -el {0}"
+    assert all("shell" not in step for step in npu_job()["steps"])
+
+
+def test_npu_container_has_a_larger_shm():
+    # Docker's 64 MiB /dev/shm cannot hold the embedded pool, which maps /dev/shm.
+    options = npu_job()["container"]["options"].split()
+    assert any(option.startswith("--shm-size=") for option in options)
+
+
+def test_npu_test_step_is_make_test_npu():
+    runs = [step.get("run", "") for step in npu_job()["steps"]]
+    assert runs[-1].strip() == "make test-npu PYTHON=python3"
+    assert not any("pytest" in run or "pip install" in run for run in runs)  # the Makefile owns both
+
+
+def test_npu_install_does_not_resolve_vllm_or_vllm_ascend():
+    proc = subprocess.run(["make", "-n", "test-npu", "PYTHON=python3"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    installs = [part.strip() for line in proc.stdout.splitlines() for part in line.split("&&")
+                if "pip install" in part]
+    assert "python3 -m pip install --no-deps -e ." in installs
+    assert "python3 -m pip install --no-deps mooncake-transfer-engine-npu==0.3.11.post1" in installs
+    for install in installs:
+        if "--no-deps" not in install:
+            names = install.split("pip install", 1)[1].split()
+            assert not any(n.startswith(("vllm", "torch", "-e", ".", "mooncake")) for n in names), install
+    assert "-m npu" in proc.stdout and "VLLM_AIO_REQUIRE_NPU=1" in proc.stdout
+    # Nor does the `ascend` extra: vllm-ascend's sdist would be built from the index.
+    extra = re.search(r'"ascend":\s*\[([^\]]*)\]', (ROOT / "setup.py").read_text(encoding="utf-8"))
+    assert extra is not None and not re.search(r"vllm|torch", extra.group(1))

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from vllm_aio.backends import Backend, Status
-from vllm_aio.connector.block_layout import BlockLayout
+from vllm_aio.connector.block_layout import BlockLayout, LayerCache
 from vllm_aio.connector.mapped_slots import MappedSlots, SlotLoad
 from vllm_aio.connector.staging import Slice, StagingBuffer, even_ranges
 from vllm_aio.device import Device
@@ -451,7 +451,7 @@ class BlockIO:
 
 
 def open_block_io(
-    kv_caches: Mapping[str, torch.Tensor],
+    kv_caches: Mapping[str, LayerCache],
     layer_names: Sequence[str],
     num_blocks: int,
     backend: Backend,

@@ -2,10 +2,18 @@
 
 A stored value holds one block of one layer (layerwise transfer) or of every
 layer in layer order; each layer contributes one *plane* per block-indexed
-region of its tensor. Two shapes of per-layer tensor occur in vLLM 0.32:
+region of its tensors. vLLM's runners hand over one tensor per layer, in two
+shapes:
 
 * ``[num_blocks, ...]`` (CPU attention, MLA, block-major layouts): one plane;
 * ``[2, num_blocks, ...]`` (K and V stored apart, e.g. FlashAttention): two.
+
+vllm-ascend's NPU runner hands over a tuple (or list) per layer instead, each
+tensor ``[num_blocks x m, ...]`` a separate allocation: ``(k, v)`` for standard
+attention, ``(nope, rope)`` for MLA, with the sparse indexer's key (and scale)
+as third and fourth tensors, every one a plane, all carried; ``m`` > 1 where
+its hybrid models split a block into 128-token kernel blocks
+(``docs/ascend_layouts.md``).
 
 A plane is exposed twice: as addresses (``segments``), for backends that copy
 straight from host memory, and as a ``[num_blocks, bytes]`` byte tensor on the
@@ -47,11 +55,22 @@ class _Plane:
     blocks: torch.Tensor  # uint8 [num_blocks, size] view of the same bytes
 
 
+# One layer's KV cache as a model runner registers it: a tensor (vLLM's), or a tuple or list of them (vllm-ascend's).
+LayerCache = torch.Tensor | Sequence[torch.Tensor]
+
+
+def cache_tensors(cache: LayerCache) -> tuple[torch.Tensor, ...]:
+    return (cache,) if isinstance(cache, torch.Tensor) else tuple(cache)
+
+
 class BlockLayout:
-    def __init__(self, kv_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int) -> None:
-        self.planes = [_planes(name, kv_caches[name], num_blocks) for name in layer_names]
+    def __init__(self, kv_caches: Mapping[str, LayerCache], layer_names: Sequence[str], num_blocks: int) -> None:
+        self.planes = [
+            [plane for t in cache_tensors(kv_caches[name]) for plane in _planes(name, t, num_blocks)]
+            for name in layer_names
+        ]
         self.num_blocks = num_blocks
-        self.device = kv_caches[layer_names[0]].device
+        self.device = cache_tensors(kv_caches[layer_names[0]])[0].device
         # Where one kernel moves a batch's every plane (``plane_copy.py``); else one index op per plane.
         self._kernel = Device(self.device).plane_copies(
             [[(p.base, p.stride, p.size) for p in planes] for planes in self.planes])
@@ -101,6 +120,8 @@ class BlockLayout:
         planes = self.planes[layer]
         first = planes[0].blocks
         between = planes[1].base - planes[0].base if len(planes) > 1 else 0
+        if any(b.base - a.base != between or b.stride != a.stride for a, b in zip(planes, planes[1:])):
+            raise ValueError(f"layer {layer}'s planes are not equally spaced in one allocation")
         return _bytes_of(first).as_strided((len(planes), *first.shape), (between, *first.stride()), first.storage_offset())
 
     # ---- host fast paths ---------------------------------------------------
@@ -148,7 +169,7 @@ class BlockLayout:
         return block_ids.numpy()
 
 
-def check_groups_alias(kv_caches: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str]]) -> None:
+def check_groups_alias(kv_caches: Mapping[str, LayerCache], groups: Sequence[Sequence[str]]) -> None:
     """Check that every KV cache group's i-th layer is the same memory as group 0's.
 
     vLLM's hybrid allocator gives all groups one block pool and lays them over
@@ -158,8 +179,7 @@ def check_groups_alias(kv_caches: Mapping[str, torch.Tensor], groups: Sequence[S
     """
     for g, layers in enumerate(groups[1:], start=1):
         for i, (name, first) in enumerate(zip(layers, groups[0])):
-            a, b = kv_caches[name], kv_caches[first]
-            if (a.data_ptr(), a.shape, a.stride(), a.dtype) != (b.data_ptr(), b.shape, b.stride(), b.dtype):
+            if _identity(kv_caches[name]) != _identity(kv_caches[first]):
                 raise ValueError(
                     f"KV cache group {g}'s layer {i} ({name}) is not the memory of group 0's layer {i} "
                     f"({first}): AioConnector stores a hybrid model's blocks through group 0's layers, "
@@ -167,8 +187,13 @@ def check_groups_alias(kv_caches: Mapping[str, torch.Tensor], groups: Sequence[S
                 )
 
 
+def _identity(cache: LayerCache) -> list[tuple]:
+    return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in cache_tensors(cache)]
+
+
 def _planes(name: str, t: torch.Tensor, num_blocks: int) -> list[_Plane]:
     elem = t.element_size()
+    rows = t.shape[0] // num_blocks if t.dim() and t.shape[0] % num_blocks == 0 else 0  # tensor rows per block
     if t.shape[0] == num_blocks and t[0].is_contiguous():
         starts = [t]
         stride = t.stride(0)
@@ -177,6 +202,10 @@ def _planes(name: str, t: torch.Tensor, num_blocks: int) -> list[_Plane]:
         starts = [t[0], t[1]]
         stride = t.stride(1)
         size = t[0, 0].numel()
+    elif rows > 1 and t[:rows].is_contiguous():  # a block split into kernel blocks, back to back (vllm-ascend)
+        starts = [t]
+        stride = t.stride(0) * rows
+        size = t[:rows].numel()
     else:
         raise ValueError(
             f"layer {name}: KV cache of shape {tuple(t.shape)} and strides {t.stride()} has no "

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from vllm_aio.config import AioConfig
+    from vllm_aio.connector.block_layout import LayerCache
     from vllm_aio.connector.deployment import Deployment
     from vllm_aio.pool.ownership import Topology
 
@@ -96,7 +97,8 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
         return create_backend(cfg, dep.pool_name, dep.value_bytes, for_scheduler=for_scheduler)
 
     # ---- worker side -------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, "LayerCache"]) -> None:
+        # A tensor a layer from vLLM's runners, a tuple or list of them from vllm-ascend's (block_layout.py).
         if self._amx is not None:
             _log_cpu_attention(self._vllm_config, kv_caches, self._amx)
         if self._worker.resident_blocks:
@@ -127,7 +129,9 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker.wait_for_layer_load(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: "LayerCache", attn_metadata: Any, **kwargs: Any) -> None:
+        # kv_layer goes unread: the layer's blocks are found by name in the registered caches. vllm-ascend
+        # passes lists here (MLA, SFA, DSA) and, from its GDN layers, ("", []): a name no save knows.
         self._worker.save_kv_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:

@@ -562,6 +562,13 @@ def check_buffers_shared(caches: Mapping[str, torch.Tensor], layer_names: Sequen
     """Refuse caches that vLLM did not lay out for the buffer: layer ``l`` must be buffer ``l % S``'s
     memory (``buffer_plan.py``). Unshared, every layer keeps its own KV and the buffer streams
     nothing, with a third of the blocks it promised."""
+    for name in layer_names:
+        if not isinstance(caches[name], torch.Tensor):
+            raise ValueError(
+                f"dynamic_buffer_layers: layer {name}'s KV cache is {type(caches[name]).__name__} of tensors, as "
+                "vllm-ascend's NPU runner allocates it; the buffer lays out vLLM's own allocation (one tensor a "
+                "layer), which vllm-ascend replaces: use another transfer mode there"
+            )
     for i, name in enumerate(layer_names[buffers:], start=buffers):
         first = layer_names[i % buffers]
         if caches[name].data_ptr() != caches[first].data_ptr():

@@ -28,7 +28,7 @@ import torch
 from vllm_aio.backends import Backend
 from vllm_aio.config import AioConfig
 from vllm_aio.connector.block_io import BlockIO, open_block_io
-from vllm_aio.connector.block_layout import check_groups_alias
+from vllm_aio.connector.block_layout import LayerCache, check_groups_alias
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.events import SavedParts, SettledSaves
 from vllm_aio.connector.layer_buffer import BufferHooks, LayerBuffer, NoBuffer
@@ -74,7 +74,7 @@ class AioWorker:
         """Private device blocks per layer for resident requests (dynamic buffer)."""
         return self._dep.resident_blocks  # the config refuses them without the buffer
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, LayerCache], num_blocks: int) -> None:
         if self._dep.hybrid:  # blocks of every group are read through group 0's layers
             check_groups_alias(kv_caches, [g.layer_names for g in self._dep.groups])
         if self._dep.buffer_layers:
