@@ -96,7 +96,7 @@ def test_registered_memory_is_page_locked_without_the_caching_allocator():
 
 
 @pytest.mark.npu
-def test_npu_host_memory_is_pinned_and_staged_not_mapped():
+def test_npu_host_memory_is_pinned():
     device = Device(torch.device("npu"))
     memory = device.host_memory(4096)
     assert memory.tensor.nbytes == 4096 and memory.tensor.is_pinned()
@@ -104,9 +104,31 @@ def test_npu_host_memory_is_pinned_and_staged_not_mapped():
     memory.tensor.copy_(src, non_blocking=True)
     device.synchronize(device.record())
     assert torch.equal(memory.tensor, src.cpu())
-    # torch_npu cannot wrap mapped host memory as a tensor: callers stage through page-locked buffers.
-    assert device.map_host(memory.tensor.data_ptr(), 4096) is None
     memory.release()
+
+
+@pytest.mark.npu
+def test_npu_kernels_read_and_write_mapped_host_memory_in_place():
+    import ctypes
+    import mmap
+
+    from vllm_aio.device import host_tensor
+
+    device = Device(torch.device("npu"))
+    region = mmap.mmap(-1, 1 << 20)  # page-aligned, as the pool's /dev/shm slots are
+    view = ctypes.c_char.from_buffer(region)
+    address = ctypes.addressof(view)
+    host = host_tensor(address, 1 << 20)
+    host.copy_(torch.arange(1 << 20).to(torch.uint8))
+    mapped = device.map_host(address, 1 << 20)
+    assert mapped is not None, "CANN refused to map page-aligned host memory (the log says why)"
+    rows = mapped.tensor.view(256, 4096)
+    ids = device.indices([3, 200, 7])
+    assert torch.equal(rows.index_select(0, ids).cpu(), host.view(256, 4096)[[3, 200, 7]])
+    rows.index_copy_(0, device.indices([9]), torch.full((1, 4096), 77, dtype=torch.uint8, device="npu"))
+    device.synchronize(device.record())
+    assert bool((host.view(256, 4096)[9] == 77).all())
+    mapped.release()
 
 
 def _host_allocator_bytes() -> int | None:

@@ -117,14 +117,19 @@ class Device:
 
         CUDA: the pages are registered once (mapped, portable) and viewed
         through their device address (unified addressing); ``release``
-        unregisters them. The CPU: the memory itself. None where the device
-        cannot map host memory (callers stage through page-locked buffers);
-        torch_npu exposes no way to wrap a mapped address as a tensor.
+        unregisters them. Ascend NPU: registered mapped with the runtime
+        (``npu_host_map.py``) and wrapped as an NPU tensor at its device address.
+        The CPU: the memory itself. None where the device cannot map host
+        memory (callers stage through page-locked buffers).
         """
         if self.is_host:
             return MappedHost(host_tensor(address, nbytes))
         if self.torch_device.type == "cuda" and nbytes:
             return _map_cuda(address, nbytes, self.torch_device)
+        if self.torch_device.type == "npu" and nbytes:
+            from vllm_aio.npu_host_map import map_for_npu
+
+            return map_for_npu(address, nbytes, self.torch_device)
         return None
 
     def copy_rows(self, dst: torch.Tensor, dst_index: torch.Tensor | None, src: torch.Tensor,

@@ -97,6 +97,9 @@ class AioWorker:
             kv_caches, self._dep.layer_names, num_blocks, self._backend, header,
             self._cfg.staging_buffer_size, self._cfg.transfer_timeout,
         )
+        logger.info("vllm_aio: KV cache on %s: values move %s", self._io.device.torch_device,
+                    "between the pool's slots and the cache directly" if self._io.direct
+                    else "through page-locked staging buffers")
         if self._io.value_bytes(self._units[0]) != self._dep.value_bytes:
             raise ValueError(
                 f"KV cache blocks make values of {self._io.value_bytes(self._units[0])} bytes but the KV "
