@@ -28,6 +28,7 @@ import dataclasses
 import sys
 from typing import Any
 
+from vllm_aio import vllm_compat
 from vllm_aio.config import AioConfig, ConfigError, parse_extra_config
 from vllm_aio.log import get_logger
 from vllm_aio.registration import selects_aio
@@ -53,6 +54,8 @@ def register() -> None:
         if not buffers:
             return original(vllm_config, kv_cache_specs, available_memory)
         refuse_unsupported(vllm_config)
+        vllm_compat.require(vllm_compat.aliases_layers(), "dynamic_buffer_layers",
+                            "one KV cache tensor for several layers, KVCacheTensor.layers and layer_stride")
         num_layers = max(len(specs) for specs in kv_cache_specs)
         if buffers >= num_layers:
             raise ConfigError(

@@ -14,11 +14,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from vllm_aio import vllm_compat
 from vllm_aio.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
 from vllm_aio.backends import Backend, create_backend
 from vllm_aio.config import parse_extra_config
@@ -56,7 +55,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
     hybrid model's groups (sliding window and full attention) reach this
     connector as they are (``Deployment.groups``) instead of all as full attention."""
 
-    _cache_hit_source = CacheHitSource.HOST
+    _cache_hit_source = vllm_compat.host_cache_hit_source()  # vLLM 0.32 labels prefix-cache hits by source
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -137,9 +136,14 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._meta())
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        # vLLM 0.32 asks this, with the requests whose load failed (a hybrid model's); older ones get_finished.
         done, failed = self._worker.get_finished()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        return vllm_compat.transfer_results(done, failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, _ = self._worker.get_finished()  # no failed requests before 0.32: hybrid models need it
+        return None, done
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
@@ -175,7 +179,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         self._scheduler.update_connector_output(
-            connector_output.invalid_block_ids, connector_output.failed_recving or set()
+            connector_output.invalid_block_ids, vllm_compat.failed_recving(connector_output)
         )
         saved = connector_output.kv_cache_events
         if self._events is not None and isinstance(saved, SavedPartsEvents):

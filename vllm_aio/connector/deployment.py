@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm_aio import vllm_compat
 from vllm_aio.config import AioConfig, ConfigError
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Namespace, Unit
@@ -108,13 +109,13 @@ def build_deployment(
     _check_features(groups, kv_cache_config, cfg, vllm_config)
     layers = groups[0].layer_names
     parallel = vllm_config.parallel_config
-    block_size = _block_size(kv_cache_config, spec, parallel.decode_context_parallel_size)
+    block_size = _block_size(kv_cache_config, vllm_config, spec, parallel.decode_context_parallel_size)
     namespace = Namespace(
         model=str(vllm_config.model_config.model),
         dtype=str(vllm_config.model_config.dtype),
         kv_cache_dtype=str(cache.cache_dtype),
         block_size=block_size,
-        kv_layout=str(kv_cache_config.kv_cache_layout),
+        kv_layout=vllm_compat.kv_cache_layout(kv_cache_config, vllm_config),
         attn_isa=_attention_isa(vllm_config, spec),
         tp_size=parallel.tensor_parallel_size,
         pp_size=parallel.pipeline_parallel_size,
@@ -175,8 +176,10 @@ def _cache_group(layer_names: tuple[str, ...], spec) -> CacheGroup:
     kinds = {type(s) for s in specs}
     if kinds <= {FullAttentionSpec, MLAAttentionSpec}:
         return CacheGroup(layer_names)
-    if kinds == {SlidingWindowSpec} and len({(s.sliding_window, s.extra_retained_tokens) for s in specs}) == 1:
-        return CacheGroup(layer_names, specs[0].sliding_window, specs[0].extra_retained_tokens)
+    if kinds == {SlidingWindowSpec}:
+        windows = {(s.sliding_window, vllm_compat.extra_retained_tokens(s)) for s in specs}
+        if len(windows) == 1:
+            return CacheGroup(layer_names, *windows.pop())
     refused = ", ".join(sorted(k.__name__ for k in kinds))
     raise ConfigError(
         f"AioConnector stores full-attention, MLA and sliding-window KV caches; this model has a group of "
@@ -195,6 +198,8 @@ def _check_features(
     if not (hybrid or sliding):
         return
     if hybrid:
+        vllm_compat.require(vllm_compat.reports_failed_requests(), f"a hybrid model ({len(groups)} KV cache groups)",
+                            "a failed load reported per request, KVConnectorOutput.failed_recving")
         shapes = {(g.kv_cache_spec.block_size, g.kv_cache_spec.page_size_bytes, len(g.layer_names))
                   for g in kv_cache_config.kv_cache_groups}
         if len(shapes) > 1:
@@ -227,7 +232,7 @@ def _describe_groups(groups: tuple[CacheGroup, ...]) -> tuple[str, ...]:
     )
 
 
-def _block_size(kv_cache_config: "KVCacheConfig", spec, dcp_size: int) -> int:
+def _block_size(kv_cache_config: "KVCacheConfig", vllm_config: "VllmConfig", spec, dcp_size: int) -> int:
     """Tokens per block of ``request.block_hashes`` and of the scheduler's block ids.
 
     vLLM 0.32 hashes at ``hash_block_size`` and its KV cache manager hands out
@@ -235,10 +240,11 @@ def _block_size(kv_cache_config: "KVCacheConfig", spec, dcp_size: int) -> int:
     1/DCP of its tokens on each rank); PCP scales neither. The scheduler half
     indexes both lists with one block size, so they must agree.
     """
-    block_id_tokens = spec.block_size * (dcp_size if spec.dcp_sharded else 1)
-    if kv_cache_config.hash_block_size != block_id_tokens:
+    block_id_tokens = spec.block_size * (dcp_size if vllm_compat.dcp_sharded(spec) else 1)
+    hash_tokens = vllm_compat.hash_block_size(kv_cache_config, vllm_config)
+    if hash_tokens != block_id_tokens:
         raise ConfigError(
-            f"vLLM hashes blocks of {kv_cache_config.hash_block_size} tokens but its block ids cover "
+            f"vLLM hashes blocks of {hash_tokens} tokens but its block ids cover "
             f"{block_id_tokens}; AioConnector needs them equal"
         )
     return block_id_tokens

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from vllm_aio import vllm_compat
 from vllm_aio.backends import Backend
 from vllm_aio.connector.deployment import CacheGroup, Deployment
 from vllm_aio.connector.events import KVEvents
@@ -419,7 +420,7 @@ class AioScheduler:
         """
         step = BufferStep(
             zeroed=list(scheduler_output.new_block_ids_to_zero or []),
-            copies=[(c.src_block_id, c.dst_block_id) for c in scheduler_output.kv_cache_block_copies or []],
+            copies=[(c.src_block_id, c.dst_block_id) for c in vllm_compat.kv_cache_block_copies(scheduler_output)],
         )
         bs = self._dep.block_size
         top = len(self._dep.priority_cutoffs)
