@@ -322,31 +322,43 @@ class _DeviceArray:
 _CU_MEMHOSTREGISTER_PORTABLE, _CU_MEMHOSTREGISTER_DEVICEMAP = 1, 2
 
 
-# (address, bytes, device) -> [tensor, users]: the driver registers a range
-# once per process, and several users in one process (a test's saver and
-# loader over one pool) share it.
-_mapped_cuda: dict[tuple[int, int, torch.device], list] = {}
+# (address, bytes, device) -> [view, unmap, users]: a driver registers a range once per process,
+# and several users in one process (a test's saver and loader over one pool) share it.
+_mapped: dict[tuple[int, int, str], list] = {}
 _mapped_lock = threading.Lock()
 
 
-def _map_cuda(address: int, nbytes: int, device: torch.device) -> MappedHost:
-    region = (address, nbytes, device)
+def shared_mapping(address: int, nbytes: int, device: torch.device,
+                   make: Callable[[], tuple[torch.Tensor, Callable[[], None]] | None]) -> MappedHost | None:
+    """The range mapped for ``device`` once for all its users: ``make()`` registers it (the device
+    view and what unregisters it, or None where refused); the last ``release`` unregisters."""
+    region = (address, nbytes, str(device))
     with _mapped_lock:
-        entry = _mapped_cuda.get(region)
+        entry = _mapped.get(region)
         if entry is None:
-            pages = host_tensor(address, nbytes)
-            entry = _mapped_cuda[region] = [_register_cuda(pages, device), 0]
-        entry[1] += 1
+            made = make()
+            if made is None:
+                return None
+            entry = _mapped[region] = [*made, 0]
+        entry[2] += 1
 
     def unmap() -> None:
         with _mapped_lock:
-            entry[1] -= 1
-            if entry[1]:
+            entry[2] -= 1
+            if entry[2]:
                 return
-            del _mapped_cuda[region]
-        entry[0]()
+            del _mapped[region]
+        entry[1]()
 
-    return MappedHost(_device_view(address, nbytes, device), unmap)
+    return MappedHost(entry[0], unmap)
+
+
+def _map_cuda(address: int, nbytes: int, device: torch.device) -> MappedHost:
+    def make() -> tuple[torch.Tensor, Callable[[], None]]:
+        unregister = _register_cuda(host_tensor(address, nbytes), device)
+        return _device_view(address, nbytes, device), unregister
+
+    return shared_mapping(address, nbytes, device, make)
 
 
 def _unregister(tensor: torch.Tensor, unregister: Callable[[], None]) -> None:

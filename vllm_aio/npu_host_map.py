@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import threading
 from typing import Any, Protocol
 
 import torch
 
-from vllm_aio.device import MappedHost
+from vllm_aio.device import MappedHost, shared_mapping
 from vllm_aio.log import get_logger
 
 logger = get_logger(__name__)
@@ -106,35 +105,13 @@ def npu_tensor(torch_npu: Any, device_address: int, nbytes: int, device: torch.d
     return torch_npu._C._construct_NPU_Tensor_From_Storage_And_Metadata(metadata, storage)
 
 
-# (address, bytes, device) -> [tensor, unmap, users]: the runtime registers a range once per process,
-# and several users in one process (a saver and a loader over one pool) share it.
-_mapped: dict[tuple[int, int, str], list] = {}
-_lock = threading.Lock()
 _said: set[str] = set()  # one line per process and outcome
 
 
 def map_for_npu(address: int, nbytes: int, device: torch.device, torch_npu: Any = None,
                 acl: Any = None) -> MappedHost | None:
     """The host memory at ``address`` mapped for ``device``'s kernels, or None (stage instead)."""
-    region = (address, nbytes, str(device))
-    with _lock:
-        entry = _mapped.get(region)
-        if entry is None:
-            made = _map(address, nbytes, device, torch_npu, acl)
-            if made is None:
-                return None
-            entry = _mapped[region] = [*made, 0]
-        entry[2] += 1
-
-    def unmap() -> None:
-        with _lock:
-            entry[2] -= 1
-            if entry[2]:
-                return
-            del _mapped[region]
-        entry[1]()
-
-    return MappedHost(entry[0], unmap)
+    return shared_mapping(address, nbytes, device, lambda: _map(address, nbytes, device, torch_npu, acl))
 
 
 def _map(address: int, nbytes: int, device: torch.device, torch_npu: Any, acl: Any):
