@@ -67,18 +67,16 @@ def _worker_facts(worker) -> dict:
     """Asked of every worker process after the run: which kernels its attention layers used and
     whether the process holds the AMX tile permission (read from the kernel here, not from the
     connector's word)."""
-    import ctypes
     import platform
 
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
 
-    mask = ctypes.c_ulong(0)
-    arch_prctl, get_xcomp_perm, xtiledata = 158, 0x1022, 1 << 18  # x86-64's numbers
-    failed = platform.machine() != "x86_64" or ctypes.CDLL(None).syscall(arch_prctl, get_xcomp_perm,
-                                                                         ctypes.byref(mask)) != 0
+    from vllm_aio.amx_permission import ARCH_GET_XCOMP_PERM, TILE_BIT, LibcArchPrctl
+
+    amx_tiles = platform.machine() == "x86_64" and bool(LibcArchPrctl().mask(ARCH_GET_XCOMP_PERM) & TILE_BIT)
     layers = get_layers_from_vllm_config(worker.vllm_config, Attention)
-    return {"pid": os.getpid(), "amx_tiles": not failed and bool(mask.value & xtiledata),
+    return {"pid": os.getpid(), "amx_tiles": amx_tiles,
             "attention": sorted({str(getattr(layer, "isa", None)) for layer in layers.values()})}
 
 

@@ -224,7 +224,7 @@ def _amx_for_cpu_attention() -> AmxPermission | None:
     return ensure_amx_for_cpu_attention() if current_platform.is_cpu() else None
 
 
-def _log_cpu_attention(vllm_config: "VllmConfig", kv_caches: dict[str, "torch.Tensor"], amx: AmxPermission) -> None:
+def _log_cpu_attention(vllm_config: "VllmConfig", kv_caches: dict[str, "LayerCache"], amx: AmxPermission) -> None:
     """Which kernels vLLM's CPU attention chose (its metadata builders set ``isa`` on each layer
     before the KV cache is registered): a run's log then says which path it exercised."""
     from vllm.config import get_layers_from_vllm_config

@@ -560,8 +560,8 @@ class NoBuffer:
 
 def check_buffers_shared(caches: Mapping[str, torch.Tensor], layer_names: Sequence[str], buffers: int) -> None:
     """Refuse caches that vLLM did not lay out for the buffer: layer ``l`` must be buffer ``l % S``'s
-    memory (``buffer_plan.py``). Unshared, every layer keeps its own KV and the buffer streams
-    nothing, with a third of the blocks it promised."""
+    memory (``buffer_plan.py``). Unshared, every layer keeps KV memory of its own: the buffer would
+    stream nothing, and vLLM would run on the blocks of a cache that was never re-planned."""
     for name in layer_names:
         if not isinstance(caches[name], torch.Tensor):
             raise ValueError(
