@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -225,19 +226,21 @@ def assert_same_generation(got: list[dict], want: list[dict], tolerance: float |
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g["dtype"] == w["dtype"], f"prompt {i}: {g['dtype']} against a {w['dtype']} baseline"
-        bound = LOGPROB_TOLERANCE[w["dtype"]] if tolerance is None else tolerance
-        match = agreement(g["token_ids"], g["logprobs"], w["token_ids"], w["logprobs"], w["margins"],
-                          NEAR_TIE[w["dtype"]])
-        assert match.same_tokens, f"prompt {i}: tokens part at token {match.compared}, not at a near tie"
-        assert match.worst_logprob_gap <= bound, f"prompt {i}: logprob differs by {match.worst_logprob_gap}"
+        _assert_agree(SimpleNamespace(**g), SimpleNamespace(**w), w["dtype"], tolerance, f"prompt {i}: ")
 
 
 def assert_same_continuation(got, want, dtype: str = "float32") -> None:
     """``assert_same_generation`` for two ``migration.driver.Generation`` of one prompt, from servers
     that ran in ``dtype`` (the migration tests' servers: float32, as ``SERVER_ARGS`` in servers.py)."""
+    _assert_agree(got, want, dtype)
+
+
+def _assert_agree(got, want, dtype: str, tolerance: float | None = None, label: str = "") -> None:
+    """``got`` against ``want``, each with ``token_ids`` and ``logprobs`` (``want`` with ``margins``)."""
     match = agreement(got.token_ids, got.logprobs, want.token_ids, want.logprobs, want.margins, NEAR_TIE[dtype])
-    assert match.same_tokens, f"tokens part at token {match.compared}, not at a near tie"
-    assert match.worst_logprob_gap <= LOGPROB_TOLERANCE[dtype], f"logprobs differ by {match.worst_logprob_gap}"
+    bound = LOGPROB_TOLERANCE[dtype] if tolerance is None else tolerance
+    assert match.same_tokens, f"{label}tokens part at token {match.compared}, not at a near tie"
+    assert match.worst_logprob_gap <= bound, f"{label}logprob differs by {match.worst_logprob_gap}"
 
 
 def host_has_amx() -> bool:

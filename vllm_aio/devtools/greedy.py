@@ -1,10 +1,10 @@
 """Whether two greedy generations of one prompt agree, where rounding leaves them free to part.
 
-Greedy decoding takes the top token. Where the top two logprobs lie within
-a few units of the last place of each other (``NEAR_TIE``), rounding that depends on how the KV was computed
-(loaded or recomputed, written by a decode or by a prefill, in which batch, on
-which CPU kernels) may pick either, and every token after it then legitimately
-differs. On CPUs with AMX, for instance, vLLM's recomputed bf16 KV differs from
+Greedy decoding takes the top token. Where the top two logprobs lie within a
+few units in the last place of each other (``NEAR_TIE``), rounding that depends
+on how the KV was computed (loaded or recomputed, written by a decode or by a
+prefill, in which batch, on which CPU kernels) may pick either, and every token
+after it then legitimately differs. On CPUs with AMX, for instance, vLLM's recomputed bf16 KV differs from
 its decode-written KV by 1-2 ulp, and the greedy tokens seen to part there had
 top-two gaps of 0.016-0.031.
 
