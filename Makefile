@@ -19,13 +19,12 @@ PYTEST_ARGS ?= -v -p no:cacheprovider $(if $(CI),--color=no -ra --durations=30,)
 # Two test files at a time (pytest-xdist): much of an engine test is a process starting
 # (imports, model load) on one core, so two overlap well on a 2-core machine; a file stays
 # on one worker, with its module fixtures (servers, baselines). The benchmarks' smoke runs
-# come after, alone: each starts several engines at once; next to another test's engines
+# come last, alone: each starts several engines at once; next to another test's engines
 # their start-up outlasted its time limit, and with a limit long enough the machine ran out
 # of memory (24 GiB: the kernel killed a worker of the migration tests' three servers).
 PARALLEL := -n 2 --dist loadfile
-ALONE := tests/test_benchmarks.py
 
-.PHONY: venv install syspkgs model demo test test-gpu test-npu
+.PHONY: venv install syspkgs model demo test test-unit test-integration test-e2e test-bench test-gpu test-npu
 
 venv: $(VPY)
 
@@ -67,12 +66,12 @@ demo: install model
 # vLLM 0.27.1, the version vllm-ascend's main pairs with: the end-to-end tier again, in a venv of its
 # own (every transfer mode on the embedded pool and on Mooncake, producer -> consumer, preemption),
 # each output against a no-connector engine of that version. 0.23-0.26's CPU builds pin torch wheels
-# this index lacks (tests/test_vllm_compat.py covers what differs there).
+# this index lacks (tests/unit/test_vllm_compat.py covers what differs there).
 COMPAT_VENV := .venv-vllm0271
 COMPAT_VPY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.vllm_aio-installed
-COMPAT_TESTS := tests/test_e2e_shared_prefix.py tests/test_e2e_preemption.py tests/test_vllm_compat.py \
-	tests/test_e2e_pool.py::test_producer_stores_and_consumer_only_loads
+COMPAT_TESTS := tests/e2e/test_e2e_shared_prefix.py tests/e2e/test_e2e_preemption.py tests/unit/test_vllm_compat.py \
+	tests/e2e/test_e2e_pool.py::test_producer_stores_and_consumer_only_loads
 
 $(COMPAT_STAMP): setup.py Makefile | $(VPY)
 	$(PYTHON) -m venv $(COMPAT_VENV)
@@ -81,7 +80,7 @@ $(COMPAT_STAMP): setup.py Makefile | $(VPY)
 	touch $@
 
 # vLLM 0.23.0, vllm-ascend v0.23's pairing: its CPU wheel pins a torch this index lacks, so only its
-# Python sources (no compiled extension), for an import and signature test (tests/test_vllm_compat.py).
+# Python sources (no compiled extension), for an import and signature test (tests/unit/test_vllm_compat.py).
 VLLM023 := .vllm023
 UNPACK_023 := import glob, zipfile; wheel = zipfile.ZipFile(glob.glob("$(VLLM023)/*.whl")[0]); \
 	wheel.extractall("$(VLLM023)/src", [n for n in wheel.namelist() if n.startswith("vllm/") and not n.endswith(".so")])
@@ -91,14 +90,28 @@ $(VLLM023)/.unpacked: | $(VPY)
 	$(VPY) -m pip install --no-deps --target $(VLLM023)/deps gguf diskcache
 	touch $@
 
-test: install model $(COMPAT_STAMP) $(VLLM023)/.unpacked
-	$(VPY) -m pytest tests $(PARALLEL) --ignore=$(ALONE) $(PYTEST_ARGS)
+# The test tiers, each a folder of tests/: unit (no engine, no service: a few minutes), integration
+# (a real mooncake_master, TransferEngine peers, the backend contract over every store), end to end
+# (vLLM engines and servers; then again on vLLM 0.27.1), the benchmarks' smoke runs. `make test`
+# runs them in that order and stops at the first tier that fails.
+test: test-unit test-integration test-e2e test-bench
+
+test-unit: install $(VLLM023)/.unpacked
+	$(VPY) -m pytest tests/unit $(PARALLEL) $(PYTEST_ARGS)
+
+test-integration: install
+	$(VPY) -m pytest tests/integration $(PARALLEL) $(PYTEST_ARGS)
+
+test-e2e: install model $(COMPAT_STAMP)
+	$(VPY) -m pytest tests/e2e $(PARALLEL) $(PYTEST_ARGS)
 	$(COMPAT_VPY) -m pytest $(COMPAT_TESTS) $(PARALLEL) $(PYTEST_ARGS)
-	$(VPY) -m pytest $(ALONE) $(PYTEST_ARGS)
+
+test-bench: install model
+	$(VPY) -m pytest tests/bench $(PYTEST_ARGS)
 
 # On a machine with an accelerator and torch (no vLLM needed, nothing installed):
 # every test with an accelerator case, then the GPU benchmarks' quick runs.
-GPU_TESTS := tests/test_device.py tests/test_staging.py tests/test_block_layout.py tests/test_block_io.py tests/test_layer_buffer.py
+GPU_TESTS := $(addprefix tests/unit/,test_device.py test_staging.py test_block_layout.py test_block_io.py test_layer_buffer.py)
 test-gpu:
 	$(PYTHON) -m pytest $(GPU_TESTS) -p no:cacheprovider -q -ra
 	$(PYTHON) benchmarks/block_io_device.py --quick

@@ -62,7 +62,7 @@ from vllm_aio.backends.memcache import (
 )
 from vllm_aio.config import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def in_ci() -> bool:

@@ -14,7 +14,7 @@ import pytest
 
 from vllm_aio.pool.keys import Namespace, block_key, group_block_hashes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def namespace(**changes) -> Namespace:
