@@ -11,7 +11,8 @@ Each backend owns its settings (``backends/*_settings.py``, registered in
 class, which adds its own environment variables and files. ``AioConfig`` holds
 the result, whatever the backend, in ``backend_settings``.
 
-Environment variables (documented in the README) override the extra config:
+Every key and variable is documented in docs/configuration.md. Environment
+variables override the extra config:
 ``VLLM_AIO_BACKEND``; the embedded pool reads ``VLLM_AIO_LOCAL_POOL_SIZE``, the
 Mooncake backend ``MOONCAKE_CONFIG_PATH``, ``MOONCAKE_MASTER`` and
 ``MOONCAKE_GLOBAL_SEGMENT_SIZE``, the Memcache backend the file named by
@@ -21,20 +22,48 @@ Mooncake backend ``MOONCAKE_CONFIG_PATH``, ``MOONCAKE_MASTER`` and
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from vllm_aio.backends import SETTINGS, BackendSettings
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.settings import ConfigError, parse_size
+from vllm_aio.log import get_logger
 
-__all__ = ["BACKENDS", "AioConfig", "ConfigError", "parse_extra_config", "parse_size"]
+__all__ = ["BACKENDS", "AioConfig", "ConfigError", "TransferMode", "parse_extra_config", "parse_size"]
+
+logger = get_logger(__name__)
 
 BACKENDS = tuple(SETTINGS)
 # What Mooncake's TransferEngine accepts as a protocol.
 MIGRATION_PROTOCOLS = ("tcp", "rdma", "ascend", "nvlink", "efa")
+
+
+class TransferMode(str, Enum):
+    """How blocks move between vLLM's KV cache and the pool: one way per instance."""
+
+    # Each block one value of every layer, loaded before the forward and saved after it.
+    WHOLE_BLOCKS = "whole_blocks"
+    # Each layer of a block a value of its own, the transfers overlapping the
+    # forward layer by layer (keys differ: see pool/keys.py).
+    LAYERWISE = "layerwise"
+    # Whole prefixes load in the background while the request waits in vLLM's
+    # WAITING_FOR_REMOTE_KVS state (the whole-block way off the critical path).
+    ASYNC = "async"
+    # Layers time-share ``dynamic_buffer_count`` device buffers while the full
+    # KV lives in host memory, and vLLM sees about layers/count times more blocks.
+    DYNAMIC_BUFFER = "dynamic_buffer"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+TRANSFER_MODES = tuple(m.value for m in TransferMode)
 
 
 @dataclass(frozen=True)
@@ -73,23 +102,17 @@ class AioConfig:
     # pool: lowest class first, LRU within; Mooncake: classes >= 1 soft-pinned).
     # Empty: one class, plain LRU.
     priority_cutoffs: tuple[int, ...] = ()
-    # Store and load each layer as a value of its own, overlapping the
-    # transfers with the forward layer by layer (keys differ: see pool/keys.py).
-    use_layerwise: bool = False
-    # With use_layerwise: layers loaded ahead of the one the forward waits for.
+    # How blocks move between the KV cache and the pool (see TransferMode).
+    transfer_mode: TransferMode = TransferMode.WHOLE_BLOCKS
+    # With transfer_mode layerwise: layers loaded ahead of the one the forward waits for.
     layerwise_prefetch_layers: int = 1
-    # Load whole prefixes in the background while the request waits in vLLM's
-    # WAITING_FOR_REMOTE_KVS state (the non-layerwise way off the critical path).
-    load_async: bool = False
     # Seconds a step waits at most for a transfer before declaring it failed
     # (loads: recomputed; saves: skipped).
     transfer_timeout: float = 30.0
     # Host bytes per direction for blocks in flight (page-locked on accelerators).
     staging_buffer_size: int = 256 << 20
-    # Layers of KV cache kept on the device (0: every layer, the normal
-    # cache). With S >= 2, layers time-share S device buffers while the full KV
-    # lives in host memory, and vLLM sees about layers/S times more blocks.
-    dynamic_buffer_layers: int = 0
+    # With transfer_mode dynamic_buffer: the device buffers the layers time-share (S >= 2).
+    dynamic_buffer_count: int = 2
     # With the dynamic buffer: device blocks per layer kept for requests of the
     # highest retention class (``priority_cutoffs``), whose KV then stays on
     # the device in every layer instead of streaming through the S buffers
@@ -113,27 +136,17 @@ class AioConfig:
                 "discard_partial_chunks: only true is accepted: keys come from vLLM's "
                 "block hashes, which exist for whole blocks only"
             )
-        if self.use_layerwise and self.load_async:
-            raise ConfigError(
-                "use_layerwise, load_async: choose one; layerwise loads overlap the forward, "
-                "load_async loads before the request is scheduled"
-            )
-        if self.dynamic_buffer_layers == 1 or self.dynamic_buffer_layers < 0:
-            raise ConfigError(
-                f"dynamic_buffer_layers: expected 0 (off) or an integer >= 2, got {self.dynamic_buffer_layers}"
-            )
-        if self.dynamic_buffer_layers and self.use_layerwise:
-            raise ConfigError(
-                "dynamic_buffer_layers, use_layerwise: choose one; the dynamic buffer already streams "
-                "every layer through host memory"
-            )
+        object.__setattr__(self, "transfer_mode", _transfer_mode("transfer_mode", self.transfer_mode))
+        if self.dynamic_buffer_count < 2:
+            raise ConfigError(f"dynamic_buffer_count: expected an integer >= 2, got {self.dynamic_buffer_count}")
         if self.dynamic_buffer_resident_blocks < 0:
             raise ConfigError(
                 f"dynamic_buffer_resident_blocks: expected an integer >= 0, got {self.dynamic_buffer_resident_blocks}"
             )
-        if self.dynamic_buffer_resident_blocks and not (self.dynamic_buffer_layers and self.priority_cutoffs):
+        buffered = self.transfer_mode is TransferMode.DYNAMIC_BUFFER
+        if self.dynamic_buffer_resident_blocks and not (buffered and self.priority_cutoffs):
             raise ConfigError(
-                "dynamic_buffer_resident_blocks: needs dynamic_buffer_layers >= 2 and priority_cutoffs (the "
+                "dynamic_buffer_resident_blocks: needs transfer_mode dynamic_buffer and priority_cutoffs (the "
                 "requests of the highest retention class stay resident)"
             )
         if self.layerwise_prefetch_layers < 0:
@@ -155,6 +168,25 @@ class AioConfig:
                 f"got {self.migration_protocol!r}"
             )
 
+    # The three flags transfer_mode replaced; readers move to transfer_mode.
+    @property
+    def use_layerwise(self) -> bool:
+        return self.transfer_mode is TransferMode.LAYERWISE
+
+    @property
+    def load_async(self) -> bool:
+        return self.transfer_mode is TransferMode.ASYNC
+
+    @property
+    def dynamic_buffer_layers(self) -> int:
+        return self.dynamic_buffer_count if self.transfer_mode is TransferMode.DYNAMIC_BUFFER else 0
+
+
+def _transfer_mode(key: str, value: Any) -> TransferMode:
+    if not isinstance(value, str) or value not in TRANSFER_MODES:
+        raise ConfigError(f"{key}: expected one of {', '.join(TRANSFER_MODES)}, got {value!r}")
+    return TransferMode(value)
+
 
 _ENV_OVERRIDES = {"VLLM_AIO_BACKEND": "backend"}
 _SIZE_KEYS = {"staging_buffer_size"}
@@ -165,7 +197,9 @@ def _check_type(key: str, value: Any, field: dataclasses.Field) -> Any:
     if field.name in _SIZE_KEYS:
         return parse_size(key, value)
     expected = field.type
-    if expected == "bool":
+    if expected == "TransferMode":
+        value = _transfer_mode(key, value)
+    elif expected == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
     elif expected == "int":
@@ -199,8 +233,15 @@ def parse_extra_config(
     environ = os.environ if environ is None else environ
     fields = {f.name: f for f in dataclasses.fields(AioConfig) if f.name != "backend_settings"}
     values: dict[str, Any] = {
-        key: _check_type(key, value, fields[key]) for key, value in extra.items() if key in fields
+        **_replaced_mode_keys(extra),
+        **{key: _check_type(key, value, fields[key]) for key, value in extra.items() if key in fields},
     }
+    mode = values.get("transfer_mode", AioConfig.transfer_mode)
+    if "dynamic_buffer_count" in extra and mode is not TransferMode.DYNAMIC_BUFFER:
+        raise ConfigError(
+            f"dynamic_buffer_count, transfer_mode: dynamic_buffer_count sets the buffers of transfer_mode "
+            f"dynamic_buffer, but transfer_mode is {mode}"
+        )
     for env, key in _ENV_OVERRIDES.items():
         if env in environ:
             values[key] = _check_type(env, environ[env], fields[key])
@@ -208,7 +249,7 @@ def parse_extra_config(
     if backend not in SETTINGS:
         raise ConfigError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     chosen = SETTINGS[backend]
-    _check_keys(extra, sorted(fields), chosen)
+    _check_keys({k: v for k, v in extra.items() if k not in _REPLACED_MODE_KEYS}, sorted(fields), chosen)
     inline = {key: value for key, value in extra.items() if key in chosen.keys}
     return AioConfig(backend_settings=chosen.load(inline, environ), **values)
 
@@ -232,3 +273,64 @@ def _check_keys(extra: Mapping[str, Any], general: list[str], chosen: type[Backe
                 f"{', '.join(misplaced)}: {other.title} settings need backend \"{other.name}\", "
                 f"but backend is {chosen.name!r}"
             )
+
+
+# The keys transfer_mode replaced, still accepted for one release: each names the mode it turns on.
+_REPLACED_MODE_KEYS = {
+    "use_layerwise": TransferMode.LAYERWISE,
+    "load_async": TransferMode.ASYNC,
+    "dynamic_buffer_layers": TransferMode.DYNAMIC_BUFFER,
+}
+
+
+def _replaced_mode_keys(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``transfer_mode`` (and ``dynamic_buffer_count``) as the replaced keys say them; {} without any.
+
+    They used to be three flags kept apart by cross-checks; what they say must
+    still name one mode, and agree with the new keys where those are given too.
+    """
+    given = {key: _replaced_value(key, extra[key]) for key in _REPLACED_MODE_KEYS if key in extra}
+    if not given:
+        return {}
+    on = sorted(key for key, value in given.items() if value)
+    if len(on) > 1:
+        raise ConfigError(
+            f"{', '.join(on)}: these select {' and '.join(str(_REPLACED_MODE_KEYS[k]) for k in on)}; "
+            f"choose one transfer_mode ({', '.join(TRANSFER_MODES)})"
+        )
+    mode = _REPLACED_MODE_KEYS[on[0]] if on else TransferMode.WHOLE_BLOCKS
+    if "transfer_mode" in extra:
+        chosen = _transfer_mode("transfer_mode", extra["transfer_mode"])
+        if against := sorted(k for k, value in given.items() if bool(value) != (chosen is _REPLACED_MODE_KEYS[k])):
+            raise ConfigError(
+                f"transfer_mode, {', '.join(against)}: transfer_mode is {chosen}, "
+                f"{', '.join(f'{k} is {json.dumps(given[k])}' for k in against)}; keep transfer_mode alone"
+            )
+    values: dict[str, Any] = {"transfer_mode": mode}
+    replacement = f"transfer_mode: {mode}"
+    if count := given.get("dynamic_buffer_layers"):
+        if extra.get("dynamic_buffer_count", count) != count:
+            raise ConfigError(
+                f"dynamic_buffer_count, dynamic_buffer_layers: {extra['dynamic_buffer_count']!r} and {count} "
+                "buffers; keep dynamic_buffer_count alone"
+            )
+        values["dynamic_buffer_count"] = count
+        replacement += f", dynamic_buffer_count: {count}"
+    for key in given:
+        _warn_replaced(key, replacement)
+    return values
+
+
+def _replaced_value(key: str, value: Any) -> bool | int:
+    if key != "dynamic_buffer_layers":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    elif isinstance(value, bool) or not isinstance(value, int) or value == 1 or value < 0:
+        raise ConfigError(f"{key}: expected 0 (off) or an integer >= 2, got {value!r}")
+    return value
+
+
+@functools.cache  # once per process: the scheduler and a worker may share one
+def _warn_replaced(key: str, replacement: str) -> None:
+    logger.warning("kv_connector_extra_config: %s is deprecated and goes in the next release; write %s instead",
+                   key, replacement)

@@ -143,7 +143,7 @@ def step(worker: AioWorker, meta: AioConnectorMetadata) -> None:
     worker.drain()
 
 
-@pytest.mark.parametrize("mode", [{}, {"use_layerwise": True}], ids=["whole_blocks", "layerwise"])
+@pytest.mark.parametrize("mode", [{}, {"transfer_mode": "layerwise"}], ids=["whole_blocks", "layerwise"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_every_tensor_of_a_block_round_trips_byte_for_byte(make_worker, kind, mode):
     source, target = caches(kind, 1), caches(kind, 2)

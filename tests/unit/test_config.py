@@ -15,7 +15,7 @@ from vllm_aio.backends import SETTINGS
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache_settings import MemcacheSettings
 from vllm_aio.backends.mooncake_settings import MooncakeSettings
-from vllm_aio.config import BACKENDS, AioConfig, ConfigError, parse_extra_config, parse_size
+from vllm_aio.config import BACKENDS, AioConfig, ConfigError, TransferMode, parse_extra_config, parse_size
 
 NO_ENV: dict[str, str] = {}
 
@@ -238,41 +238,144 @@ def test_config_error_is_a_value_error():
 
 @pytest.mark.parametrize(
     "key,value",
-    [("use_layerwise", "yes"), ("layerwise_prefetch_layers", 1.5), ("load_async", 1),
-     ("transfer_timeout", "10s"), ("dynamic_buffer_layers", True), ("staging_buffer_size", "lots")],
+    [("use_layerwise", "yes"), ("layerwise_prefetch_layers", 1.5), ("load_async", 1), ("transfer_mode", 1),
+     ("transfer_timeout", "10s"), ("dynamic_buffer_layers", True), ("dynamic_buffer_count", 2.0),
+     ("staging_buffer_size", "lots")],
 )
 def test_wrong_type_of_a_transfer_key_fails_naming_it(key, value):
     with pytest.raises(ConfigError, match=key):
         parse_extra_config({key: value}, environ={})
 
 
-def test_layerwise_and_async_loads_exclude_each_other():
-    with pytest.raises(ConfigError, match="use_layerwise, load_async"):
-        parse_extra_config({"use_layerwise": True, "load_async": True}, environ={})
+# ---- transfer_mode and the keys it replaced --------------------------------
 
 
-@pytest.mark.parametrize("value", [1, -2])
+@pytest.mark.parametrize("mode", ["whole_blocks", "layerwise", "async", "dynamic_buffer"])
+def test_transfer_mode_accepts_each_mode(mode):
+    assert parse({"transfer_mode": mode}).transfer_mode == TransferMode(mode)
+
+
+def test_transfer_mode_defaults_to_whole_blocks():
+    assert parse({}).transfer_mode is TransferMode.WHOLE_BLOCKS
+
+
+@pytest.mark.parametrize("value", ["bulk", "Layerwise", "", True, 2])
+def test_bad_transfer_mode_fails_naming_the_accepted_values(value):
+    with pytest.raises(ConfigError, match=r"^transfer_mode: expected one of whole_blocks, layerwise, async, "
+                                          r"dynamic_buffer, got"):
+        parse({"transfer_mode": value})
+
+
+def test_a_mode_given_as_a_string_to_the_dataclass_becomes_the_mode():
+    assert AioConfig(transfer_mode="async").transfer_mode is TransferMode.ASYNC
+    with pytest.raises(ConfigError, match=r"^transfer_mode: expected one of"):
+        AioConfig(transfer_mode="bulk")
+
+
+@pytest.mark.parametrize(
+    ("mode", "flags"),
+    [("whole_blocks", (False, False, 0)), ("layerwise", (True, False, 0)), ("async", (False, True, 0)),
+     ("dynamic_buffer", (False, False, 3))],
+)
+def test_the_replaced_flags_are_read_from_the_mode(mode, flags):
+    cfg = parse({"transfer_mode": mode, **({"dynamic_buffer_count": 3} if mode == "dynamic_buffer" else {})})
+    assert (cfg.use_layerwise, cfg.load_async, cfg.dynamic_buffer_layers) == flags
+
+
+def test_dynamic_buffer_count_defaults_to_two_buffers():
+    assert parse({"transfer_mode": "dynamic_buffer"}).dynamic_buffer_count == 2
+
+
+@pytest.mark.parametrize("count", [1, 0, -2])
+def test_dynamic_buffer_count_below_two_is_refused(count):
+    with pytest.raises(ConfigError, match=rf"^dynamic_buffer_count: expected an integer >= 2, got {count}"):
+        parse({"transfer_mode": "dynamic_buffer", "dynamic_buffer_count": count})
+
+
+@pytest.mark.parametrize("extra", [{"dynamic_buffer_count": 2}, {"transfer_mode": "layerwise", "dynamic_buffer_count": 3}])
+def test_dynamic_buffer_count_with_another_mode_fails_naming_both_keys(extra):
+    with pytest.raises(ConfigError, match=r"^dynamic_buffer_count, transfer_mode: .* but transfer_mode is "):
+        parse(extra)
+
+
+@pytest.mark.parametrize(
+    ("old", "mode", "count"),
+    [({"use_layerwise": True}, "layerwise", 2), ({"load_async": True}, "async", 2),
+     ({"dynamic_buffer_layers": 4}, "dynamic_buffer", 4), ({"use_layerwise": False}, "whole_blocks", 2),
+     ({"dynamic_buffer_layers": 0}, "whole_blocks", 2), ({"use_layerwise": False, "load_async": True}, "async", 2)],
+)
+def test_replaced_keys_map_to_the_transfer_mode(old, mode, count):
+    cfg = parse(old)
+    assert (cfg.transfer_mode, cfg.dynamic_buffer_count) == (TransferMode(mode), count)
+
+
+def test_each_replaced_key_logs_one_warning_naming_the_new_key_and_value_and_new_keys_none():
+    # A process of its own: the warning is logged once per process (scheduler and workers each parse).
+    code = """import logging
+logging.basicConfig(format="%(message)s")
+from vllm_aio.config import parse_extra_config
+for extra in ({"use_layerwise": True}, {"load_async": True}, {"dynamic_buffer_layers": 3}) * 2:
+    parse_extra_config(extra, environ={})
+parse_extra_config({"transfer_mode": "dynamic_buffer", "dynamic_buffer_count": 3}, environ={})
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        f"kv_connector_extra_config: {old} is deprecated and goes in the next release; write {new} instead"
+        for old, new in (("use_layerwise", "transfer_mode: layerwise"), ("load_async", "transfer_mode: async"),
+                         ("dynamic_buffer_layers", "transfer_mode: dynamic_buffer, dynamic_buffer_count: 3"))
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "keys"),
+    [({"use_layerwise": True, "load_async": True}, "load_async, use_layerwise"),
+     ({"dynamic_buffer_layers": 2, "use_layerwise": True}, "dynamic_buffer_layers, use_layerwise"),
+     ({"dynamic_buffer_layers": 2, "load_async": True}, "dynamic_buffer_layers, load_async")],
+)
+def test_replaced_keys_selecting_two_modes_fail_naming_both(extra, keys):
+    with pytest.raises(ConfigError, match=rf"^{keys}: these select .* choose one transfer_mode"):
+        parse(extra)
+
+
+@pytest.mark.parametrize(
+    ("extra", "keys"),
+    [({"transfer_mode": "async", "use_layerwise": True}, "transfer_mode, use_layerwise"),
+     ({"transfer_mode": "layerwise", "use_layerwise": False}, "transfer_mode, use_layerwise"),
+     ({"transfer_mode": "whole_blocks", "dynamic_buffer_layers": 2}, "transfer_mode, dynamic_buffer_layers"),
+     ({"transfer_mode": "async", "load_async": False, "use_layerwise": False}, "transfer_mode, load_async")],
+)
+def test_a_replaced_key_contradicting_transfer_mode_fails_naming_both(extra, keys):
+    with pytest.raises(ConfigError, match=rf"^{keys}: transfer_mode is "):
+        parse(extra)
+
+
+def test_a_replaced_key_agreeing_with_transfer_mode_is_accepted():
+    assert parse({"transfer_mode": "layerwise", "use_layerwise": True, "load_async": False}).use_layerwise
+
+
+def test_dynamic_buffer_layers_contradicting_dynamic_buffer_count_fails_naming_both():
+    with pytest.raises(ConfigError, match=r"^dynamic_buffer_count, dynamic_buffer_layers: 3 and 2 buffers"):
+        parse({"dynamic_buffer_layers": 2, "dynamic_buffer_count": 3})
+
+
+@pytest.mark.parametrize("value", [1, -2, True, "2"])
 def test_dynamic_buffer_layers_accepts_zero_or_two_and_more(value):
-    with pytest.raises(ConfigError, match=r"dynamic_buffer_layers: expected 0 \(off\) or an integer >= 2"):
-        parse_extra_config({"dynamic_buffer_layers": value}, environ={})
+    with pytest.raises(ConfigError, match=r"^dynamic_buffer_layers: expected 0 \(off\) or an integer >= 2"):
+        parse({"dynamic_buffer_layers": value})
 
 
 @pytest.mark.parametrize("extra", [{"dynamic_buffer_resident_blocks": 8, "priority_cutoffs": [0]},
-                                   {"dynamic_buffer_resident_blocks": 8, "dynamic_buffer_layers": 2}])
+                                   {"dynamic_buffer_resident_blocks": 8, "transfer_mode": "dynamic_buffer"}])
 def test_resident_blocks_need_the_buffer_and_priority_classes(extra):
-    with pytest.raises(ConfigError, match=r"dynamic_buffer_resident_blocks: needs dynamic_buffer_layers >= 2 and "
+    with pytest.raises(ConfigError, match=r"dynamic_buffer_resident_blocks: needs transfer_mode dynamic_buffer and "
                                           r"priority_cutoffs"):
-        parse_extra_config(extra, environ={})
+        parse(extra)
 
 
 def test_negative_resident_blocks_are_refused():
     with pytest.raises(ConfigError, match="dynamic_buffer_resident_blocks: expected an integer >= 0, got -1"):
-        parse_extra_config({"dynamic_buffer_resident_blocks": -1}, environ={})
-
-
-def test_dynamic_buffer_with_layerwise_values_is_refused():
-    with pytest.raises(ConfigError, match="dynamic_buffer_layers, use_layerwise"):
-        parse_extra_config({"dynamic_buffer_layers": 2, "use_layerwise": True}, environ={})
+        parse({"dynamic_buffer_resident_blocks": -1})
 
 
 def test_transfer_timeout_must_be_positive_seconds():

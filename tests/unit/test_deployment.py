@@ -165,14 +165,14 @@ def test_a_hybrid_model_has_a_namespace_of_its_own() -> None:
 
 def test_a_hybrid_model_loads_in_the_background() -> None:
     # vLLM 0.32 takes a failed load of several groups per request, for background loads only.
-    assert _hybrid(load_async=False).load_async
+    assert _hybrid(transfer_mode="whole_blocks").load_async
 
 
 @pytest.mark.parametrize(
     ("option", "reason"),
     [
-        ({"use_layerwise": True}, "use_layerwise is not supported with a hybrid model"),
-        ({"dynamic_buffer_layers": 2}, "dynamic_buffer_layers is not supported with a hybrid model.*one group"),
+        ({"transfer_mode": "layerwise"}, "use_layerwise is not supported with a hybrid model"),
+        ({"transfer_mode": "dynamic_buffer"}, "dynamic_buffer_layers is not supported with a hybrid model.*one group"),
         ({"migration": True}, "migration is not supported with a hybrid model"),
         ({"kv_events_config": SimpleNamespace(enable_kv_cache_events=True)}, "kv_events_config is not supported"),
     ],
@@ -184,14 +184,14 @@ def test_features_naming_one_groups_blocks_are_refused_for_a_hybrid_model(option
         _hybrid(**option)
 
 
-@pytest.mark.parametrize("option", ["dynamic_buffer_layers", "migration"])
-def test_features_naming_every_block_are_refused_with_a_sliding_window(option) -> None:
+@pytest.mark.parametrize(("option", "config"), [("dynamic_buffer_layers", {"transfer_mode": "dynamic_buffer"}),
+                                                ("migration", {"migration": True})])
+def test_features_naming_every_block_are_refused_with_a_sliding_window(option, config) -> None:
     from vllm_aio.config import AioConfig, ConfigError
     from vllm_aio.connector.deployment import build_deployment
 
-    value = 2 if option == "dynamic_buffer_layers" else True
     with pytest.raises(ConfigError, match=f"{option} is not supported with sliding-window attention"):
-        build_deployment(_vllm_config(dcp=1, pcp=1), _groups_config(_attention(64)), AioConfig(**{option: value}))
+        build_deployment(_vllm_config(dcp=1, pcp=1), _groups_config(_attention(64)), AioConfig(**config))
 
 
 def test_groups_of_unequal_pages_are_refused() -> None:

@@ -333,9 +333,9 @@ def test_worker_reports_stored_and_existing_blocks_of_its_shard():
 
 
 def test_layerwise_block_with_a_failed_layer_is_reported_failed():
-    value = worker_deployment(AioConfig(use_layerwise=True)).value_bytes
+    value = worker_deployment(AioConfig(transfer_mode="layerwise")).value_bytes
     backend = _FailingLayer0(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, value, seal=True)
-    worker = events_worker(backend, use_layerwise=True)
+    worker = events_worker(backend, transfer_mode="layerwise")
     try:
         meta = AioConnectorMetadata(saves=[transfer([1, 2])])
         backend.bad = {meta.saves[0].block_hash(0)}

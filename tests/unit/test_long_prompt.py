@@ -75,7 +75,7 @@ def halves():
     )
     name, pool_bytes = f"long-{uuid.uuid4().hex[:8]}", (PROMPT_BLOCKS * len(LAYERS) + 64) * dep.value_bytes
     scheduler = AioScheduler(dep, LocalBackend(name, pool_bytes, dep.value_bytes, seal=False))
-    cfg = AioConfig(use_layerwise=True, staging_buffer_size=4 << 20)
+    cfg = AioConfig(transfer_mode="layerwise", staging_buffer_size=4 << 20)
     backend = LocalBackend(name, pool_bytes, dep.value_bytes, seal=True)
     worker = AioWorker(dep, backend, Ownership(dep.topology()), cfg)
     g = torch.Generator().manual_seed(0)

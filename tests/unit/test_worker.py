@@ -80,7 +80,7 @@ def test_saved_blocks_load_back_into_other_block_ids_byte_for_byte(make_worker):
         assert torch.equal(dst_caches[name][9:12], src_caches[name][3:6])
 
 
-@pytest.mark.parametrize("options", [{}, {"use_layerwise": True}], ids=["whole_blocks", "layerwise"])
+@pytest.mark.parametrize("options", [{}, {"transfer_mode": "layerwise"}], ids=["whole_blocks", "layerwise"])
 def test_preempted_blocks_are_out_of_the_cache_when_handle_preemptions_returns(make_worker, options):
     caches = kv_caches(1)
     original = {name: t.clone() for name, t in caches.items()}
@@ -213,18 +213,18 @@ def forward(worker: AioWorker, meta: AioConnectorMetadata, compute=lambda layer:
 
 def test_layerwise_values_round_trip_one_layer_at_a_time(make_worker):
     src, dst = kv_caches(1), kv_caches(2)
-    saver, backend = make_worker(caches=src, use_layerwise=True)
+    saver, backend = make_worker(caches=src, transfer_mode="layerwise")
     forward(saver, AioConnectorMetadata(saves=[transfer([3, 4, 5])]))
     saver.drain()
     assert backend.pool.usage().num_ready == 3 * len(LAYERS)  # one value per block and layer
-    loader, _ = make_worker(backend=backend, caches=dst, use_layerwise=True, layerwise_prefetch_layers=0)
+    loader, _ = make_worker(backend=backend, caches=dst, transfer_mode="layerwise", layerwise_prefetch_layers=0)
     assert forward(loader, AioConnectorMetadata(loads=[transfer([9, 10, 11])])) == set()
     for name in LAYERS:
         assert torch.equal(dst[name][9:12], src[name][3:6])
 
 
 def test_layerwise_and_whole_block_values_never_mix(make_worker):
-    saver, backend = make_worker(use_layerwise=True)
+    saver, backend = make_worker(transfer_mode="layerwise")
     forward(saver, AioConnectorMetadata(saves=[transfer([1, 2])]))
     saver.drain()
     loader, _ = make_worker(backend=backend)
@@ -236,7 +236,7 @@ def test_async_load_is_reported_finished_once_its_blocks_are_in_place(make_worke
     src, dst = kv_caches(1), kv_caches(2)
     saver, backend = make_worker(caches=src)
     saved(saver, AioConnectorMetadata(saves=[transfer([3, 4])]))
-    loader, _ = make_worker(backend=backend, caches=dst, load_async=True)
+    loader, _ = make_worker(backend=backend, caches=dst, transfer_mode="async")
     loader.start_load_kv(AioConnectorMetadata(loads=[transfer([9, 10])]))
     loader.drain()
     assert loader.get_finished() == ({"r"}, set())
@@ -246,7 +246,7 @@ def test_async_load_is_reported_finished_once_its_blocks_are_in_place(make_worke
 
 
 def test_async_load_with_missing_blocks_finishes_and_reports_them(make_worker):
-    loader, _ = make_worker(load_async=True)
+    loader, _ = make_worker(transfer_mode="async")
     loader.start_load_kv(AioConnectorMetadata(loads=[transfer([9, 10])]))
     loader.drain()
     assert loader.get_finished() == ({"r"}, set())
@@ -302,10 +302,10 @@ HANG_GUARD = 30.0
 
 def test_layerwise_transfers_overlap_the_layers_compute(make_worker):
     backend = gated_backend()
-    saver, _ = make_worker(backend=backend, use_layerwise=True)
+    saver, _ = make_worker(backend=backend, transfer_mode="layerwise")
     forward(saver, AioConnectorMetadata(saves=[transfer([3, 4], tag="old")]))
     saver.drain()
-    worker, _ = make_worker(backend=backend, use_layerwise=True, layerwise_prefetch_layers=1)
+    worker, _ = make_worker(backend=backend, transfer_mode="layerwise", layerwise_prefetch_layers=1)
     for event in backend.started.values():
         event.clear()
     overlapped = {}
@@ -322,11 +322,11 @@ def test_layerwise_transfers_overlap_the_layers_compute(make_worker):
 
 def test_layer_load_past_the_timeout_fails_the_step_without_waiting_per_layer(make_worker, caplog):
     backend = gated_backend()
-    saver, _ = make_worker(backend=backend, use_layerwise=True)
+    saver, _ = make_worker(backend=backend, transfer_mode="layerwise")
     forward(saver, AioConnectorMetadata(saves=[transfer([3, 4])]))
     saver.drain()
     backend.release_gets.clear()  # the pool never answers while the step runs
-    worker, _ = make_worker(backend=backend, use_layerwise=True, transfer_timeout=0.2)
+    worker, _ = make_worker(backend=backend, transfer_mode="layerwise", transfer_timeout=0.2)
     try:
         with caplog.at_level(logging.WARNING, logger="vllm"):
             errors = forward(worker, AioConnectorMetadata(loads=[transfer([9, 10])]))
@@ -343,7 +343,7 @@ def _hybrid_worker(caches: dict[str, torch.Tensor], backend=None) -> tuple[AioWo
     """A worker of two KV cache groups whose layers ``l*`` and ``w*`` are laid over each other."""
     from vllm_aio.connector.deployment import CacheGroup
 
-    cfg = AioConfig(staging_buffer_size=1 << 20, load_async=True)
+    cfg = AioConfig(staging_buffer_size=1 << 20, transfer_mode="async")
     groups = (CacheGroup(LAYERS, 16), CacheGroup(("w0", "w1")))
     dep = dataclasses.replace(deployment(cfg), groups=groups)
     backend = backend or LocalBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, dep.value_bytes, seal=True)
