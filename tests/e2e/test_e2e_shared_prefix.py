@@ -66,7 +66,7 @@ def assert_every_shared_block_served(engine: Engine, cold: list[dict], warm: lis
     assert counters["load_failures"] == 0, counters
     assert counters["failed_hit_tokens"] == 0, counters
     # The cold step computed the prefix four times and stored it once.
-    assert counters["save_skipped"] == 3 * SHARED_BLOCKS, counters
+    assert counters["save_already_stored"] == 3 * SHARED_BLOCKS, counters
     assert all(r["cached"] == 0 for r in cold)
     assert all(r["cached"] >= 0.8 * r["prompt_len"] for r in warm), [r["cached"] for r in warm]
     assert_same_generation(cold, baseline)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from vllm_aio.connector.connector import AioConnector
-from vllm_aio.connector.stats import COUNTERS, AioConnectorStats
+from vllm_aio.connector.stats import COUNTERS, GAUGES, AioConnectorStats, AioPromMetrics
+
+READINGS = {"pool_used_bytes": 3 << 20, "pool_capacity_bytes": 1 << 30, "pool_stored_values": 12,
+            "pool_evicted_values": 5}
 
 
 def test_new_stats_hold_every_counter_at_zero_and_are_empty():
@@ -74,12 +81,16 @@ def test_reduce_of_empty_stats_reports_zero_rates():
         "pool_hit_rate": 0.0,
         "hit_tokens": 0,
         "failed_hit_tokens": 0,
+        "loaded_MiB": 0.0,
+        "load_batch_GBps": 0.0,
+        "saved_MiB": 0.0,
+        "save_batch_GBps": 0.0,
+        "load_failures": 0,
+        "save_failures": 0,
         "loaded_MB": 0.0,
         "load_GBps": 0.0,
         "saved_MB": 0.0,
         "save_GBps": 0.0,
-        "load_failures": 0,
-        "save_failures": 0,
     }
 
 
@@ -95,21 +106,30 @@ def test_reduce_hit_rate_is_one_when_every_token_hits():
     assert stats.reduce()["pool_hit_rate"] == 1.0
 
 
-def test_reduce_reports_megabytes_and_gigabytes_per_second():
+def test_reduce_reports_mebibytes_and_bytes_over_the_batches_summed_seconds():
     stats = AioConnectorStats()
     stats.add(load_bytes=3 * 2**20, load_seconds=0.5, save_bytes=2**19, save_seconds=0.25)
     reduced = stats.reduce()
-    assert reduced["loaded_MB"] == 3.0
-    assert reduced["load_GBps"] == round(3 * 2**20 / 0.5 / 1e9, 2)
-    assert reduced["saved_MB"] == 0.5
-    assert reduced["save_GBps"] == round(2**19 / 0.25 / 1e9, 2)
+    assert reduced["loaded_MiB"] == 3.0
+    assert reduced["load_batch_GBps"] == round(3 * 2**20 / 0.5 / 1e9, 2)
+    assert reduced["saved_MiB"] == 0.5
+    assert reduced["save_batch_GBps"] == round(2**19 / 0.25 / 1e9, 2)
+
+
+def test_reduce_still_reports_the_former_names_with_the_same_figures():
+    stats = AioConnectorStats()
+    stats.add(load_bytes=3 * 2**20, load_seconds=0.5, save_bytes=2**19, save_seconds=0.25)
+    reduced = stats.reduce()
+    former = {"loaded_MB": "loaded_MiB", "load_GBps": "load_batch_GBps", "saved_MB": "saved_MiB",
+              "save_GBps": "save_batch_GBps"}
+    assert {old: reduced[old] for old in former} == {old: reduced[new] for old, new in former.items()}
 
 
 def test_reduce_rate_is_zero_when_no_time_was_spent():
     stats = AioConnectorStats()
     stats.add(load_bytes=2**30, save_bytes=2**30)
     reduced = stats.reduce()
-    assert (reduced["load_GBps"], reduced["save_GBps"]) == (0.0, 0.0)
+    assert (reduced["load_batch_GBps"], reduced["save_batch_GBps"]) == (0.0, 0.0)
 
 
 def test_reduce_passes_failure_counts_through():
@@ -155,3 +175,85 @@ def test_build_kv_connector_stats_fills_counters_missing_from_the_dict():
     assert set(rebuilt.data) == set(COUNTERS)
     assert rebuilt.data["hit_tokens"] == 4
     rebuilt.add(miss_tokens=1)  # every counter can be added to
+
+
+# ---- the pool's readings (Backend.gauges) ------------------------------------
+
+
+def test_readings_are_carried_and_replaced_not_summed():
+    stats = AioConnectorStats()
+    stats.set_gauges(READINGS)
+    stats.set_gauges({"pool_used_bytes": 1})
+    assert stats.data["pool_used_bytes"] == 1
+    assert stats.data["pool_stored_values"] == 12
+
+
+def test_an_unknown_reading_raises():
+    with pytest.raises(KeyError, match="pool_temperature"):
+        AioConnectorStats().set_gauges({"pool_temperature": 40})
+
+
+def test_readings_alone_leave_the_stats_empty():
+    stats = AioConnectorStats()
+    stats.set_gauges(READINGS)
+    assert stats.is_empty()
+
+
+def test_aggregate_keeps_the_other_readings_not_their_sum():
+    # Another rank of the same pool, or a later step: its reading is the pool's now.
+    a, b = AioConnectorStats(), AioConnectorStats()
+    a.set_gauges(READINGS)
+    b.set_gauges({**READINGS, "pool_used_bytes": 4 << 20})
+    a.aggregate(b)
+    assert {name: a.data[name] for name in GAUGES} == {**READINGS, "pool_used_bytes": 4 << 20}
+
+
+def test_aggregate_with_the_other_reading_nothing_keeps_ours():
+    a = AioConnectorStats()
+    a.set_gauges(READINGS)
+    a.aggregate(AioConnectorStats())
+    assert {name: a.data[name] for name in GAUGES} == READINGS
+
+
+def test_reset_drops_the_readings():
+    stats = AioConnectorStats()
+    stats.set_gauges(READINGS)
+    stats.reset()
+    assert stats.data == {name: 0 for name in COUNTERS}
+
+
+# ---- Prometheus -------------------------------------------------------------------
+
+
+@pytest.fixture
+def prometheus():
+    """AioPromMetrics on a registry of its own, and a reader of its samples (engine 0)."""
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    metrics = AioPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    return metrics, lambda name: registry.get_sample_value(name, {"engine": "0"}), registry
+
+
+def test_prometheus_counts_blocks_already_stored_under_the_new_and_the_former_name(prometheus):
+    metrics, sample, _ = prometheus
+    metrics.observe({"save_already_stored": 3})
+    metrics.observe({"save_already_stored": 2})
+    assert sample("vllm:aio_save_already_stored_total") == 5
+    assert sample("vllm:aio_save_skipped_total") == 5
+
+
+def test_prometheus_former_name_is_documented_as_deprecated(prometheus):
+    metrics, _, registry = prometheus
+    docs = {family.name: family.documentation for family in registry.collect()}
+    assert docs["vllm:aio_save_skipped"].startswith("vllm_aio connector: deprecated")
+    assert "vllm:aio_save_already_stored_total" in docs["vllm:aio_save_skipped"]
+    assert "deprecated" not in docs["vllm:aio_save_already_stored"]
+
+
+def test_prometheus_gauges_take_the_latest_reading(prometheus):
+    metrics, sample, _ = prometheus
+    metrics.observe(AioConnectorStats().data | READINGS)
+    metrics.observe({"pool_used_bytes": 1 << 20})
+    assert sample("vllm:aio_pool_used_bytes") == 1 << 20
+    assert {name: sample(f"vllm:aio_{name}") for name in GAUGES if name != "pool_used_bytes"} == {
+        name: value for name, value in READINGS.items() if name != "pool_used_bytes"}

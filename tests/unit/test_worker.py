@@ -162,10 +162,28 @@ def test_stats_count_bytes_and_skip_known_blocks(make_worker):
     worker.start_load_kv(AioConnectorMetadata(loads=[transfer([5, 6])], lookups=LookupCounts(16, 4)))
     assert worker.get_block_ids_with_load_errors() == set()  # vLLM asks before the stats: loads settle there
     data = worker.take_stats().data
-    assert data["save_blocks"] == 2 and data["save_skipped"] == 2
+    assert data["save_blocks"] == 2 and data["save_already_stored"] == 2
     assert data["load_bytes"] == 2 * VALUE_BYTES
     assert (data["hit_tokens"], data["miss_tokens"]) == (16, 4)
     assert worker.take_stats() is None
+
+
+class _GaugedPool(LocalBackend):
+    READINGS = {"pool_used_bytes": 4096.0, "pool_capacity_bytes": 1048576.0, "pool_stored_values": 2.0,
+                "pool_evicted_values": 0.0}
+
+    def gauges(self):
+        return dict(self.READINGS)
+
+
+def test_stats_carry_the_backends_readings_of_the_pool_with_the_counters(make_worker):
+    backend = _GaugedPool(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, VALUE_BYTES, seal=True)
+    worker, _ = make_worker(backend=backend)
+    assert worker.take_stats() is None  # readings alone are not reported
+    saved(worker, AioConnectorMetadata(saves=[transfer([1, 2])]))
+    data = worker.take_stats().data
+    assert data["save_blocks"] == 2
+    assert {name: data[name] for name in _GaugedPool.READINGS} == _GaugedPool.READINGS
 
 
 def test_only_rank_zero_reports_lookup_counts(make_worker):

@@ -189,6 +189,10 @@ class Backend(ABC):
         ``COUNTERS`` (e.g. which tier served a hit); the worker adds them to its stats."""
         return {}
 
+    def gauges(self) -> dict[str, float]:
+        """Point-in-time readings of the store (fill, evictions), exported as gauges; none by default."""
+        return {}
+
     def describe(self) -> str:
         """One line for the start-up log: where the values go (pool, service, protocol, ...)."""
         return type(self).__name__

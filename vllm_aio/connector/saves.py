@@ -109,7 +109,7 @@ class Saves:
             save_blocks=counts[Status.OK] if last else 0,
             save_bytes=counts[Status.OK] * self._io.value_bytes(unit),
             save_seconds=time.perf_counter() - started,
-            save_skipped=counts[Status.EXISTS] if last else 0,
+            save_already_stored=counts[Status.EXISTS] if last else 0,
             save_failures=counts[Status.NO_SPACE] + counts[Status.ERROR],
         )
 

@@ -183,6 +183,7 @@ class AioWorker:
             self.stats.add(**self._backend.take_counters())
             if self.stats.is_empty():
                 return None
+            self.stats.set_gauges(self._backend.gauges())
             stats, self.stats = self.stats, AioConnectorStats()
             return stats
 
