@@ -35,7 +35,7 @@ from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.settings import ConfigError, parse_size
 from vllm_aio.log import get_logger
 
-__all__ = ["BACKENDS", "AioConfig", "ConfigError", "TransferMode", "parse_extra_config", "parse_size"]
+__all__ = ["BACKENDS", "REPLACED_MODE_KEYS", "AioConfig", "ConfigError", "TransferMode", "parse_extra_config", "parse_size"]
 
 logger = get_logger(__name__)
 
@@ -249,7 +249,7 @@ def parse_extra_config(
     if backend not in SETTINGS:
         raise ConfigError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     chosen = SETTINGS[backend]
-    _check_keys({k: v for k, v in extra.items() if k not in _REPLACED_MODE_KEYS}, sorted(fields), chosen)
+    _check_keys({k: v for k, v in extra.items() if k not in REPLACED_MODE_KEYS}, sorted(fields), chosen)
     inline = {key: value for key, value in extra.items() if key in chosen.keys}
     return AioConfig(backend_settings=chosen.load(inline, environ), **values)
 
@@ -276,7 +276,7 @@ def _check_keys(extra: Mapping[str, Any], general: list[str], chosen: type[Backe
 
 
 # The keys transfer_mode replaced, still accepted for one release: each names the mode it turns on.
-_REPLACED_MODE_KEYS = {
+REPLACED_MODE_KEYS = {
     "use_layerwise": TransferMode.LAYERWISE,
     "load_async": TransferMode.ASYNC,
     "dynamic_buffer_layers": TransferMode.DYNAMIC_BUFFER,
@@ -289,19 +289,19 @@ def _replaced_mode_keys(extra: Mapping[str, Any]) -> dict[str, Any]:
     They used to be three flags kept apart by cross-checks; what they say must
     still name one mode, and agree with the new keys where those are given too.
     """
-    given = {key: _replaced_value(key, extra[key]) for key in _REPLACED_MODE_KEYS if key in extra}
+    given = {key: _replaced_value(key, extra[key]) for key in REPLACED_MODE_KEYS if key in extra}
     if not given:
         return {}
     on = sorted(key for key, value in given.items() if value)
     if len(on) > 1:
         raise ConfigError(
-            f"{', '.join(on)}: these select {' and '.join(str(_REPLACED_MODE_KEYS[k]) for k in on)}; "
+            f"{', '.join(on)}: these select {' and '.join(str(REPLACED_MODE_KEYS[k]) for k in on)}; "
             f"choose one transfer_mode ({', '.join(TRANSFER_MODES)})"
         )
-    mode = _REPLACED_MODE_KEYS[on[0]] if on else TransferMode.WHOLE_BLOCKS
+    mode = REPLACED_MODE_KEYS[on[0]] if on else TransferMode.WHOLE_BLOCKS
     if "transfer_mode" in extra:
         chosen = _transfer_mode("transfer_mode", extra["transfer_mode"])
-        if against := sorted(k for k, value in given.items() if bool(value) != (chosen is _REPLACED_MODE_KEYS[k])):
+        if against := sorted(k for k, value in given.items() if bool(value) != (chosen is REPLACED_MODE_KEYS[k])):
             raise ConfigError(
                 f"transfer_mode, {', '.join(against)}: transfer_mode is {chosen}, "
                 f"{', '.join(f'{k} is {json.dumps(given[k])}' for k in against)}; keep transfer_mode alone"
