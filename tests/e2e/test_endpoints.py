@@ -125,3 +125,15 @@ def test_a_call_reaches_the_control_server_of_the_engine_core_and_returns_its_re
     assert (r.status_code, r.json()) == (202, {"answered": "allocate"})
     assert r.headers["content-type"] == "application/json"
     assert seen == [("allocate", {"token_ids": [1, 2, 3]})]
+
+
+def test_metrics_export_the_pools_readings_and_already_stored_blocks_under_both_names(server: Server):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    (model,) = [m["id"] for m in requests.get(f"{server.base}/v1/models", headers=auth, timeout=30).json()["data"]]
+    completion = {"model": model, "prompt": "a b c d " * 40, "max_tokens": 1}
+    for _ in range(2):  # the second stores nothing new
+        assert requests.post(f"{server.base}/v1/completions", json=completion, headers=auth, timeout=120).ok
+    text = requests.get(f"{server.base}/metrics", timeout=30).text
+    for name in ("vllm:aio_pool_used_bytes", "vllm:aio_pool_capacity_bytes", "vllm:aio_pool_stored_values",
+                 "vllm:aio_pool_evicted_values", "vllm:aio_save_already_stored_total", "vllm:aio_save_skipped_total"):
+        assert re.search(rf"^{re.escape(name)}\{{", text, re.MULTILINE), f"{name} is not on /metrics"
