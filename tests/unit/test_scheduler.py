@@ -197,21 +197,6 @@ def test_an_allocated_hit_is_leased_until_the_worker_reads_it():
     assert backend.leases == [(req.block_hashes[1:4], LEASE_MIN_SECONDS)]  # no pace measured yet
 
 
-@pytest.mark.parametrize(("intervals", "lease"), [
-    ([0.01] * 8, LEASE_MIN_SECONDS),  # fast steps: the floor
-    ([2.0] * 8 + [600.0], 4 * 2.0),  # a few steps of the recent pace; an idle gap does not count
-    ([20.0] * 8, 30.0),  # never longer than a load may take
-])
-def test_a_lease_lasts_a_few_steps_of_the_recent_pace(intervals, lease):
-    now = [0.0]
-    sched = AioScheduler(deployment(), DictBackend(), max_lease_seconds=30.0, clock=lambda: now[0])
-    sched.build_connector_meta(step())
-    for interval in intervals:
-        now[0] += interval
-        sched.build_connector_meta(step())
-    assert sched.lease_seconds() == pytest.approx(lease)
-
-
 def test_a_failed_lease_leaves_the_load_planned():
     class NoLease(DictBackend):
         def lease_blocks(self, parts, hashes, seconds):

@@ -72,3 +72,18 @@ class BufferPlanner:
         """``req_id`` finished or was preempted: its blocks may be another's now."""
         if self._residency is not None:
             self._residency.release(req_id)
+
+
+class NoBuffer:
+    """The planner without the dynamic buffer: the metadata carries no buffer step."""
+
+    def step(self, scheduled: "list[Scheduled]", scheduler_output: "SchedulerOutput") -> None:
+        return None
+
+    def release(self, req_id: str) -> None:
+        pass
+
+
+def buffer_planner(deployment: Deployment) -> BufferPlanner | NoBuffer:
+    """The planner of ``deployment``'s transfer mode, chosen once."""
+    return BufferPlanner(deployment) if deployment.buffer_layers else NoBuffer()

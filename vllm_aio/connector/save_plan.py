@@ -88,7 +88,7 @@ class SavePlanner:
             self._running[request.request_id] = RequestBlocks(request, len(self._dep.groups))
         return known
 
-    def loaded(self, req_id: str, ranges: list[tuple[int, int]]) -> None:
+    def mark_loaded(self, req_id: str, ranges: list[tuple[int, int]]) -> None:
         """Per group, the block indices [start, end) loaded from the pool: never saved again."""
         self._running[req_id].loaded = list(ranges)
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vllm_aio.backends import Backend
-from vllm_aio.buffer.planner import BufferPlanner
+from vllm_aio.buffer.planner import buffer_planner
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.events import KVEvents
 from vllm_aio.connector.keying import PoolKeying
@@ -55,17 +55,13 @@ class AioScheduler:
         self._lookups = PoolLookups(deployment, backend, self.keying, events)
         self._loads = LoadPlanner(deployment, self._lookups, self._leases, self.keying)
         self._saves = SavePlanner(deployment, self.keying, events)
-        self._buffer = BufferPlanner(deployment) if deployment.buffer_layers else None
+        self._buffer = buffer_planner(deployment)
         self._flushes = flushes
 
     @property
     def parts(self) -> BlockParts:
         """What each block is stored as now (the weight version may change at runtime)."""
         return self.keying.parts
-
-    def lease_seconds(self) -> float:
-        """How long a hit promised now is kept from eviction (``leases.py``)."""
-        return self._leases.seconds()
 
     # ---- lookup and admission ------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -78,7 +74,7 @@ class AioScheduler:
         known = self._saves.admit(request)  # re-admitted: preempted, or its async load finished
         loaded = self._loads.admit(request, blocks.get_block_ids(), num_external_tokens, counted=not known)
         if loaded is not None:
-            self._saves.loaded(request.request_id, loaded)
+            self._saves.mark_loaded(request.request_id, loaded)
 
     # ---- per step --------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> AioConnectorMetadata:
@@ -89,13 +85,11 @@ class AioScheduler:
         meta = AioConnectorMetadata(loads=loads, lookups=lookups, namespace_digest=self.keying.parts.namespace_digest)
         for req_id in scheduler_output.preempted_req_ids or ():
             meta.rescues.extend(self._saves.rescue(req_id))  # first: it may be resumed in this same step
-            if self._buffer is not None:
-                self._buffer.release(req_id)  # its blocks may be another's now
+            self._buffer.release(req_id)  # its blocks may be another's now
         scheduled = self._saves.schedule(scheduler_output)
         self._take_flushes()
         meta.saves = self._saves.save(scheduled)
-        if self._buffer is not None:
-            meta.buffer = self._buffer.step(scheduled, scheduler_output)
+        meta.buffer = self._buffer.step(scheduled, scheduler_output)
         return meta
 
     def _take_flushes(self) -> None:
@@ -117,8 +111,7 @@ class AioScheduler:
         self._lookups.forget(req_id)
         self._loads.forget(req_id)
         self._saves.forget(req_id)
-        if self._buffer is not None:
-            self._buffer.release(req_id)
+        self._buffer.release(req_id)
 
     def close(self) -> None:
         self._backend.close()
