@@ -23,7 +23,15 @@ SCHEDULER_HALF = (
     "vllm_aio.connector.metadata",
     "vllm_aio.connector.deployment",
     "vllm_aio.connector.scheduler",
+    "vllm_aio.connector.keying",
+    "vllm_aio.connector.leases",
+    "vllm_aio.connector.lookups",
+    "vllm_aio.connector.load_plan",
+    "vllm_aio.connector.save_plan",
     "vllm_aio.connector.events",
+    "vllm_aio.buffer.planner",
+    "vllm_aio.buffer.residency",
+    "vllm_aio.migration.flushes",
 )
 
 

@@ -17,19 +17,19 @@ class Clock:
         return self.now
 
 
-class Scheduler:
-    parts = "parts"
+class Flushes:
+    """A stand-in for ``FlushRequests`` whose requests always are in one state."""
 
     def __init__(self, matches: bool | None) -> None:
         self.matches, self.asked, self.forgotten = matches, [], []
 
-    def request_flush(self, last_hash, count):
+    def ask(self, last_hash, count):
         self.asked.append((last_hash, count))
 
-    def flush_state(self, last_hash):
+    def state(self, last_hash):
         return self.matches
 
-    def forget_flush(self, last_hash):
+    def forget(self, last_hash):
         self.forgotten.append(last_hash)
 
 
@@ -42,39 +42,40 @@ class Backend:
 
 
 HASHES = [b"h0", b"h1", b"h2"]
+PARTS = "parts"
 
 
 def test_flush_returns_at_once_when_every_block_is_stored():
-    sched = Scheduler(matches=False)
-    assert source.flush(sched, Backend([3]), HASHES, deadline=10, clock=Clock()) == 3
-    assert sched.asked == []
+    flushes = Flushes(matches=False)
+    assert source.flush(flushes, Backend([3]), PARTS, HASHES, deadline=10, clock=Clock()) == 3
+    assert flushes.asked == []
 
 
-def test_flush_asks_the_scheduler_and_waits_until_the_blocks_are_stored():
-    sched = Scheduler(matches=True)
-    assert source.flush(sched, Backend([2, 2, 2, 3]), HASHES, deadline=100, clock=Clock()) == 3
-    assert sched.asked == [(b"h2", 3)] and sched.forgotten == [b"h2"]
+def test_flush_asks_for_the_blocks_and_waits_until_the_blocks_are_stored():
+    flushes = Flushes(matches=True)
+    assert source.flush(flushes, Backend([2, 2, 2, 3]), PARTS, HASHES, deadline=100, clock=Clock()) == 3
+    assert flushes.asked == [(b"h2", 3)] and flushes.forgotten == [b"h2"]
 
 
 def test_flush_fails_fast_when_no_running_request_holds_the_sequence():
-    sched = Scheduler(matches=False)
+    flushes = Flushes(matches=False)
     clock = Clock()
     with pytest.raises(MigrationRefused) as err:
-        source.flush(sched, Backend([2]), HASHES, deadline=100, clock=clock)
+        source.flush(flushes, Backend([2]), PARTS, HASHES, deadline=100, clock=clock)
     assert err.value.status == 409 and "finished" in str(err.value)
-    assert sched.forgotten == [b"h2"] and clock.now < 2
+    assert flushes.forgotten == [b"h2"] and clock.now < 2
 
 
 def test_flush_on_an_engine_that_runs_no_step_fails_after_the_idle_time():
-    sched = Scheduler(matches=None)
+    flushes = Flushes(matches=None)
     clock = Clock()
     with pytest.raises(MigrationRefused) as err:
-        source.flush(sched, Backend([2]), HASHES, deadline=100, clock=clock)
+        source.flush(flushes, Backend([2]), PARTS, HASHES, deadline=100, clock=clock)
     assert err.value.status == 409 and source.IDLE_S <= clock.now < source.IDLE_S + 2
 
 
 def test_flush_of_a_matched_request_gives_up_at_the_deadline():
-    sched = Scheduler(matches=True)
+    flushes = Flushes(matches=True)
     with pytest.raises(MigrationRefused) as err:
-        source.flush(sched, Backend([2]), HASHES, deadline=5, clock=Clock())
+        source.flush(flushes, Backend([2]), PARTS, HASHES, deadline=5, clock=Clock())
     assert err.value.status == 504

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_aio.connector.residency import Residency
+from vllm_aio.buffer.residency import Residency
 
 
 def test_a_request_that_fits_takes_a_slot_per_block_and_promotes_those_with_kv():

@@ -12,7 +12,9 @@ import pytest
 
 from vllm_aio.backends import Backend, Status
 from vllm_aio.connector.deployment import Deployment
-from vllm_aio.connector.scheduler import LEASE_MIN_SECONDS, AioScheduler
+from vllm_aio.connector.leases import LEASE_MIN_SECONDS
+from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.migration.flushes import FlushRequests
 from vllm_aio.pool.keys import Namespace, block_key
 from vllm_aio.pool.ownership import Ownership
 
@@ -195,21 +197,6 @@ def test_an_allocated_hit_is_leased_until_the_worker_reads_it():
     assert backend.leases == [(req.block_hashes[1:4], LEASE_MIN_SECONDS)]  # no pace measured yet
 
 
-@pytest.mark.parametrize(("intervals", "lease"), [
-    ([0.01] * 8, LEASE_MIN_SECONDS),  # fast steps: the floor
-    ([2.0] * 8 + [600.0], 4 * 2.0),  # a few steps of the recent pace; an idle gap does not count
-    ([20.0] * 8, 30.0),  # never longer than a load may take
-])
-def test_a_lease_lasts_a_few_steps_of_the_recent_pace(intervals, lease):
-    now = [0.0]
-    sched = AioScheduler(deployment(), DictBackend(), max_lease_seconds=30.0, clock=lambda: now[0])
-    sched.build_connector_meta(step())
-    for interval in intervals:
-        now[0] += interval
-        sched.build_connector_meta(step())
-    assert sched.lease_seconds() == pytest.approx(lease)
-
-
 def test_a_failed_lease_leaves_the_load_planned():
     class NoLease(DictBackend):
         def lease_blocks(self, parts, hashes, seconds):
@@ -290,7 +277,8 @@ def test_decode_blocks_are_saved_only_with_save_decode_cache():
 
 
 def test_flush_saves_the_generated_blocks_of_the_named_running_request():
-    sched = AioScheduler(deployment(), DictBackend())
+    flushes = FlushRequests()
+    sched = AioScheduler(deployment(), DictBackend(), flushes=flushes)
     req, other = Req("a", 8), Req("b", 8)
     for r, ids in ((req, [1, 2]), (other, [5, 6])):
         sched.update_state_after_alloc(r, blocks(ids), 0)
@@ -298,18 +286,11 @@ def test_flush_saves_the_generated_blocks_of_the_named_running_request():
     for r in (req, other):
         r.num_output_tokens = 4
         r.block_hashes.append(block_hash(r.request_id, 2))
-    sched.request_flush(req.block_hashes[2], 3)
-    sched.request_flush(b"not running", 1)
-    assert sched.flush_state(req.block_hashes[2]) is None
+    flushes.ask(req.block_hashes[2], 3)
     meta = sched.build_connector_meta(
         step(cached=[("a", [3], 11, False), ("b", [7], 11, False)], scheduled={"a": 1, "b": 1}))
     assert [(s.req_id, list(s.block_ids)) for s in meta.saves] == [("a", [3])]
-    assert sched.flush_state(req.block_hashes[2]) is True
-    assert sched.flush_state(b"not running") is None  # one step: not known yet
-    sched.build_connector_meta(step(cached=[("a", [], 12, False), ("b", [], 12, False)], scheduled={"a": 1, "b": 1}))
-    assert sched.flush_state(b"not running") is False
-    sched.forget_flush(req.block_hashes[2])
-    assert sched.flush_state(req.block_hashes[2]) is None
+    assert flushes.state(req.block_hashes[2]) is True
 
 
 def test_weight_version_change_rekeys_lookups_and_metadata():
@@ -318,11 +299,11 @@ def test_weight_version_change_rekeys_lookups_and_metadata():
     store(backend, dep, req, 3)
     sched = AioScheduler(dep, backend)
     assert sched.get_num_new_matched_tokens(req, 0) == (11, False)
-    sched.set_weight_version("v2")
+    sched.keying.set_weight_version("v2")
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # KV of other weights never hits
     meta = sched.build_connector_meta(step())
     assert meta.namespace_digest == sched.parts.namespace_digest != dep.namespace.digest()
-    sched.set_weight_version("")
+    sched.keying.set_weight_version("")
     assert sched.parts.namespace_digest == dep.namespace.digest()
 
 

@@ -77,14 +77,20 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
         if is_scheduler:
             if kv_events:
                 self._events = KVEvents(dep.block_size, backend.block_watch(), cfg.transfer_timeout)
-            self._scheduler = AioScheduler(dep, backend, self._events, max_lease_seconds=cfg.transfer_timeout)
-            _log_start(cfg, dep, transfer, backend)
+            flushes = None
             if cfg.migration:
+                from vllm_aio.migration.flushes import FlushRequests
+
+                flushes = FlushRequests()  # the migration control asks, the scheduler saves
+            self._scheduler = AioScheduler(dep, backend, self._events, max_lease_seconds=cfg.transfer_timeout,
+                                           flushes=flushes)
+            _log_start(cfg, dep, transfer, backend)
+            if flushes is not None:
                 from vllm_aio.migration.service import MigrationService
 
                 self._migration = MigrationService.start(
-                    self._scheduler, backend, dep, cfg, vllm_config.cache_config.prefix_caching_hash_algo,
-                    transfer.kv_role, transfer.engine_id,
+                    self._scheduler.keying, flushes, backend, dep, cfg,
+                    vllm_config.cache_config.prefix_caching_hash_algo, transfer.kv_role, transfer.engine_id,
                 )
         else:
             self._amx = _amx_for_cpu_attention()

@@ -86,5 +86,5 @@ class AioConnectorMetadata:
     lookups: LookupCounts = field(default_factory=LookupCounts)
     buffer: BufferStep | None = None  # with dynamic_buffer_layers
     # The key namespace of this step's loads and saves: it changes at runtime
-    # with the weight version (``AioScheduler.set_weight_version``).
+    # with the weight version (``PoolKeying.set_weight_version``).
     namespace_digest: str = ""

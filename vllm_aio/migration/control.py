@@ -36,9 +36,10 @@ from typing import Any
 from vllm_aio.backends.base import Backend
 from vllm_aio.config import AioConfig
 from vllm_aio.connector.deployment import Deployment
-from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.connector.keying import PoolKeying
 from vllm_aio.log import get_logger
 from vllm_aio.migration import source
+from vllm_aio.migration.flushes import FlushRequests
 from vllm_aio.migration.prefix import PrefixHasher
 from vllm_aio.migration.target import MigrationRefused, MigrationTarget
 from vllm_aio.migration.transport import LinkSettings, LinkUnavailableError, PeerLink, TransferError, late_write_bound
@@ -53,9 +54,10 @@ _VERSION_CHARS = 128
 
 
 class MigrationControl:
-    def __init__(self, scheduler: AioScheduler, backend: Backend, deployment: Deployment, cfg: AioConfig,
-                 hasher: PrefixHasher, role: str) -> None:
-        self._sched = scheduler
+    def __init__(self, keying: PoolKeying, flushes: FlushRequests, backend: Backend, deployment: Deployment,
+                 cfg: AioConfig, hasher: PrefixHasher, role: str) -> None:
+        self._keying = keying  # the scheduler half's: the namespace its lookups and the workers' saves use
+        self._flushes = flushes
         self._backend = backend
         self._dep = deployment
         self._cfg = cfg
@@ -85,10 +87,10 @@ class MigrationControl:
     # ---- what a peer must know -------------------------------------------------
     def session(self, body: Mapping[str, Any]) -> dict:
         _fields(body, set())
-        parts = self._sched.parts
+        parts = self._keying.parts
         info = {
             "namespace": parts.namespace_digest,
-            "weight_version": self._sched.namespace.weight_version,
+            "weight_version": self._keying.namespace.weight_version,
             "model": self._dep.namespace.model,
             "block_size": self._dep.block_size,
             "value_bytes": self._dep.value_bytes,
@@ -137,7 +139,7 @@ class MigrationControl:
             return {"migration_id": migration_id or "shared", "first_block": first, "slots": [], "shared": True,
                     "deadline_s": self._cfg.migration_watchdog_timeout / 2}
         lacking = hashes[first:]
-        keys = [self._sched.parts.keys(h) for h in lacking]
+        keys = [self._keying.parts.keys(h) for h in lacking]
         headers = [[self._header(k) for k in block] for block in keys]
         res = self._target.allocate(migration_id, first, keys, headers)
         remaining = max(0.0, res.expires - time.monotonic())
@@ -168,7 +170,7 @@ class MigrationControl:
             raise MigrationRefused(409, f"this instance stores no KV (kv_role={self._role}): it cannot be a source")
         hashes = self._hasher.hashes(_token_ids(body))
         timeout = _seconds(body, "timeout_s", default=self._cfg.transfer_timeout)
-        blocks = source.flush(self._sched, self._backend, hashes, time.monotonic() + timeout)
+        blocks = source.flush(self._flushes, self._backend, self._keying.parts, hashes, time.monotonic() + timeout)
         return {"blocks": blocks}
 
     def transfer(self, body: Mapping[str, Any]) -> dict:
@@ -182,9 +184,9 @@ class MigrationControl:
         self._check_peer(target, value_size=True)
         hashes = self._hasher.hashes(_token_ids(body))
         first = _int(body, "first_block", 0, len(hashes))
-        slots = _slots(body, len(hashes) - first, len(self._sched.parts.keys(b"")))
+        slots = _slots(body, len(hashes) - first, len(self._keying.parts.keys(b"")))
         local, remote, pinned, versions = source.spans(
-            self._store, self._sched.parts, hashes[first:], slots, _int(target, "slot_base", 0, 1 << 62)
+            self._store, self._keying.parts, hashes[first:], slots, _int(target, "slot_base", 0, 1 << 62)
         )
         started = time.monotonic()
         try:
@@ -202,15 +204,15 @@ class MigrationControl:
         version = _str(body, "weight_version")
         if len(version) > _VERSION_CHARS:
             raise MigrationRefused(400, f"weight_version: at most {_VERSION_CHARS} characters")
-        old = self._sched.namespace.weight_version
-        self._sched.set_weight_version(version)
+        old = self._keying.namespace.weight_version
+        self._keying.set_weight_version(version)
         logger.info("vllm_aio: weight version %r -> %r: keys now in namespace %s", old, version,
-                    self._sched.parts.namespace_digest)
-        return {"weight_version": version, "namespace": self._sched.parts.namespace_digest}
+                    self._keying.parts.namespace_digest)
+        return {"weight_version": version, "namespace": self._keying.parts.namespace_digest}
 
     def status(self, body: Mapping[str, Any]) -> dict:
         _fields(body, set())
-        out: dict[str, Any] = {"namespace": self._sched.parts.namespace_digest}
+        out: dict[str, Any] = {"namespace": self._keying.parts.namespace_digest}
         if self._target is not None:
             out.update(self._target.status(), writing_slots=self._store.writing_slots(),
                        pool_slots=self._store.region()[1] // self._store.slot_size)
@@ -218,7 +220,7 @@ class MigrationControl:
 
     # ---- helpers ---------------------------------------------------------------
     def _present(self, hashes: list[bytes]) -> int:
-        return self._backend.count_complete_blocks(self._sched.parts, hashes) if hashes else 0
+        return self._backend.count_complete_blocks(self._keying.parts, hashes) if hashes else 0
 
     def _header(self, key: str) -> bytes:
         digest, shard, tag, block_hash = parse_block_key(key)
@@ -228,11 +230,11 @@ class MigrationControl:
 
     def _check_peer(self, peer: Mapping[str, Any], value_size: bool = False) -> None:
         """The peer keys its blocks exactly as this instance does, or nothing moves."""
-        mine = self._sched.parts.namespace_digest
+        mine = self._keying.parts.namespace_digest
         if _str(peer, "namespace") != mine:
             raise MigrationRefused(
                 409, f"namespace mismatch: the peer keys blocks under {peer['namespace']} and this instance under "
-                f"{mine} (weight version {self._sched.namespace.weight_version!r}); model, dtype, block size, "
+                f"{mine} (weight version {self._keying.namespace.weight_version!r}); model, dtype, block size, "
                 "parallel shape, salt and weight version must all be equal"
             )
         if "hash_seed" in peer and _str(peer, "hash_seed") != self._hasher.fingerprint():

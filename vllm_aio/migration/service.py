@@ -1,4 +1,4 @@
-"""The migration control of one instance, serving on its unix socket: started by the scheduler half.
+"""The migration control of one instance, serving on its unix socket: started next to the scheduler half.
 
 Kept apart from ``control.py`` (the operations) so that the operations can be
 driven directly in tests, and from the connector, which only starts and stops
@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from vllm_aio.backends.base import Backend
 from vllm_aio.config import AioConfig
 from vllm_aio.connector.deployment import Deployment
-from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.connector.keying import PoolKeying
 from vllm_aio.log import get_logger
 from vllm_aio.migration.channel import ControlServer, socket_path
 from vllm_aio.migration.control import MigrationControl
+from vllm_aio.migration.flushes import FlushRequests
 from vllm_aio.migration.prefix import PrefixHasher
 
 logger = get_logger(__name__)
@@ -27,9 +28,9 @@ class MigrationService:
     server: ControlServer
 
     @classmethod
-    def start(cls, scheduler: AioScheduler, backend: Backend, deployment: Deployment, cfg: AioConfig,
-              hash_algo: str, role: str, engine_id: str) -> MigrationService:
-        control = MigrationControl(scheduler, backend, deployment, cfg,
+    def start(cls, keying: PoolKeying, flushes: FlushRequests, backend: Backend, deployment: Deployment,
+              cfg: AioConfig, hash_algo: str, role: str, engine_id: str) -> MigrationService:
+        control = MigrationControl(keying, flushes, backend, deployment, cfg,
                                    PrefixHasher(hash_algo, deployment.block_size), role)
         path = socket_path(engine_id)
         server = ControlServer(path, control.handle)

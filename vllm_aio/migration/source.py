@@ -3,8 +3,8 @@
 ``flush``: a migration moves every full block of the request, those filled by
 generated tokens included, but a deployment stores only the prompt's blocks
 unless ``save_decode_cache`` is on. So the scheduler half is asked to store
-the running request's full blocks (``AioScheduler.request_flush``: the next
-step's metadata saves them, from vLLM's cache, like any save), and the call
+the running request's full blocks (``FlushRequests.ask``: the next step's
+metadata saves them, from vLLM's cache, like any save), and the call
 waits until the pool holds all of them. The request keeps running meanwhile:
 a migration that fails later leaves it where it was, nothing lost.
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from vllm_aio.backends.base import Backend, SlotStore
-from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.migration.flushes import FlushRequests
 from vllm_aio.migration.target import MigrationRefused
 from vllm_aio.pool.keys import BlockParts
 
@@ -34,15 +34,14 @@ _POLL_S = 0.02
 IDLE_S = 5.0
 
 
-def flush(scheduler: AioScheduler, backend: Backend, hashes: Sequence[bytes], deadline: float,
+def flush(flushes: FlushRequests, backend: Backend, parts: BlockParts, hashes: Sequence[bytes], deadline: float,
           clock: Callable[[], float] = time.monotonic) -> int:
-    """Wait until the pool holds every block of ``hashes``; the number of blocks."""
+    """Wait until the pool holds every block of ``hashes`` (stored as ``parts``); the number of blocks."""
     if not hashes:
         return 0
-    parts = scheduler.parts
     if backend.count_complete_blocks(parts, hashes) == len(hashes):
         return len(hashes)
-    scheduler.request_flush(hashes[-1], len(hashes))
+    flushes.ask(hashes[-1], len(hashes))
     idle_until = clock() + IDLE_S
     try:
         while True:
@@ -50,7 +49,7 @@ def flush(scheduler: AioScheduler, backend: Backend, hashes: Sequence[bytes], de
             if have == len(hashes):
                 return have
             now = clock()
-            state = scheduler.flush_state(hashes[-1])
+            state = flushes.state(hashes[-1])
             if state is False or (state is None and now >= idle_until):
                 raise MigrationRefused(
                     409, f"the source holds {have} of the sequence's {len(hashes)} full blocks and runs no "
@@ -63,7 +62,7 @@ def flush(scheduler: AioScheduler, backend: Backend, hashes: Sequence[bytes], de
                 )
             time.sleep(_POLL_S)
     finally:
-        scheduler.forget_flush(hashes[-1])
+        flushes.forget(hashes[-1])
 
 
 def spans(store: SlotStore, parts: BlockParts, hashes: Sequence[bytes], remote_slots: Sequence[Sequence[int]],
