@@ -193,7 +193,8 @@ class PoolSlots:
     def pin_blocks(
         self, namespace_digest: str, shard: str, tag: int | None, hashes: Sequence[bytes]
     ) -> tuple[np.ndarray, np.ndarray]:
-        """``pin_for_read`` of the block keys of ``hashes``, without building them: (slots, versions), slot -1 if absent."""
+        """``pin_for_read`` of the block keys of ``hashes``, without building them:
+        (slots, versions), slot -1 if absent."""
         return self.pool.pin_ids(value_ids(namespace_digest, shard, tag, hashes))
 
     def still_valid(self, slot: int, version: int) -> bool:

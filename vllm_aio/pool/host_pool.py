@@ -64,8 +64,7 @@ def slots_for(pool_bytes: int, slot_size: int) -> int:
 class SharedHostPool:
     """Attach to (or create) the pool ``name``; values are ``slot_size`` bytes.
 
-    ``clock``: lease deadlines and their expiry, in ns; every process of the
-    host must read one clock (``CLOCK_MONOTONIC``; a test passes its own).
+    ``clock``: lease deadlines in ns, one clock for every process of the host (a test passes its own).
     """
 
     def __init__(self, name: str, slot_size: int, num_slots: int, create: bool = True,
@@ -194,12 +193,10 @@ class SharedHostPool:
         """
         hi, lo = ids.hi, ids.lo
         with self._file.locked():
-            found = self._find_many(ids)
+            found = index_ops.find_slots(self._index, ids.hi, ids.lo)
             stored = found >= 0
             hits = found[stored]
-            clock = int(self._header[H_CLOCK])
-            self._last_used[hits] = clock + 1 + np.arange(len(hits))  # one tick per stored value, in order
-            self._header[H_CLOCK] = clock + len(hits)
+            self._touch(hits)
             self._retention[hits] = np.maximum(self._retention[hits], retention)
             missing = np.flatnonzero(~stored)
             slots = self._allocate(len(missing))
@@ -241,12 +238,10 @@ class SharedHostPool:
         a value takes.
         """
         with self._file.locked():
-            slots = self._find_many(ids)
+            slots = index_ops.find_slots(self._index, ids.hi, ids.lo)
             hit = slots >= 0
             hits = slots[hit]
-            clock = int(self._header[H_CLOCK])
-            self._last_used[hits] = clock + 1 + np.arange(len(hits))  # one tick per hit, in order
-            self._header[H_CLOCK] = clock + len(hits)
+            self._touch(hits)
             versions = np.where(hit, self._version[np.where(hit, slots, 0)], -1)
             self._header[H_LOOKUPS] += len(slots)
             self._header[H_HITS] += len(hits)
@@ -261,7 +256,7 @@ class SharedHostPool:
         """
         until = self._clock() + int(seconds * 1e9)
         with self._file.locked():
-            slots = self._find_many(ids)
+            slots = index_ops.find_slots(self._index, ids.hi, ids.lo)
             held = slots[slots >= 0]
             self._lease_until[held] = np.maximum(self._lease_until[held], until)
         return len(held)
@@ -270,18 +265,15 @@ class SharedHostPool:
         """``still_valid`` of many pins at once (a bool array)."""
         return (self._version[slots] == versions) & (self._state[slots] == READY)
 
-    def _find_many(self, ids: ValueIds) -> np.ndarray:
-        """The slot of every value id (-1: absent)."""
-        return index_ops.find_slots(self._index, ids.hi, ids.lo)
+    def _touch(self, slots: np.ndarray) -> None:
+        """Make these slots the most recently used, one LRU tick each, in order."""
+        clock = int(self._header[H_CLOCK])
+        self._last_used[slots] = clock + 1 + np.arange(len(slots))
+        self._header[H_CLOCK] = clock + len(slots)
 
     def complete_blocks(self, groups: BlockGroups, parts: int) -> int:
-        """How many leading blocks have at least ``parts`` READY values (every part of them).
-
-        One probe per block, in one compiled loop (``index_ops.record_parts``;
-        a table at most half full keeps the probes short). The answer holds
-        while no eviction happens; the eviction counter (``usage().evictions``)
-        says when that changed.
-        """
+        """How many leading blocks have at least ``parts`` READY values (every part of them): one probe
+        a block. It holds while no eviction happens (``usage().evictions``, the presence epoch)."""
         complete = self.block_parts(groups) >= parts
         return len(complete) if complete.all() else int(np.argmin(complete))
 
