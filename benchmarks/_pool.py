@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from vllm_aio.backends import Status
-from vllm_aio.pool import host_pool
+from vllm_aio.pool import shm_file
 from vllm_aio.pool.entry import EntryHeader
 
 GiB = 1 << 30
@@ -20,27 +20,27 @@ def header(block_size: int) -> EntryHeader:
 
 
 def free_bytes(directory: Path | None = None) -> int:
-    st = os.statvfs(directory or host_pool.SHM_DIR)
+    st = os.statvfs(directory or shm_file.SHM_DIR)
     return st.f_bavail * st.f_frsize
 
 
 def use_pool_dir(directory: Path) -> None:
     """Create the pools of this process in ``directory`` (a tmpfs, ideally) instead of /dev/shm.
 
-    This patches ``vllm_aio.pool.host_pool.SHM_DIR`` (read at call time by
+    This patches ``vllm_aio.pool.shm_file.SHM_DIR`` (read at call time by
     every pool path, lock and space check): neither ``SharedHostPool`` nor
     ``LocalBackend`` takes a directory.
     """
-    host_pool.SHM_DIR = Path(directory)
+    shm_file.SHM_DIR = Path(directory)
 
 
 def pool_dir_for(need: int) -> Path:
     """/dev/shm when it has room for a pool of ``need`` bytes, else the temp dir (a disk-backed mapping)."""
-    for d in (host_pool.SHM_DIR, Path(tempfile.gettempdir())):
+    for d in (shm_file.SHM_DIR, Path(tempfile.gettempdir())):
         if free_bytes(d) > need * 1.1 + (64 << 20):
             use_pool_dir(d)
             return d
-    raise SystemExit(f"no room for a {need / GiB:.2f} GiB pool in {host_pool.SHM_DIR} nor {tempfile.gettempdir()}")
+    raise SystemExit(f"no room for a {need / GiB:.2f} GiB pool in {shm_file.SHM_DIR} nor {tempfile.gettempdir()}")
 
 
 def expect(statuses: Sequence[Status], want: Status, what: str) -> None:

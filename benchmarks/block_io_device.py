@@ -88,7 +88,7 @@ from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff, open_blo
 from vllm_aio.connector.block_layout import BlockLayout  # noqa: E402
 from vllm_aio.connector.staging import StagingBuffer  # noqa: E402
 from vllm_aio.device import Device  # noqa: E402
-from vllm_aio.pool import host_pool  # noqa: E402
+from vllm_aio.pool import shm_file  # noqa: E402
 from vllm_aio.pool.entry import HEADER_BYTES  # noqa: E402
 from vllm_aio.pool.keys import Unit  # noqa: E402
 from _accel import Accel, timed, wall  # noqa: E402  (benchmarks/ is on sys.path)
@@ -158,7 +158,7 @@ class Bench:
                      "pool_slots": slots, "pool_GiB": slots * value / GiB, "shm_free_GiB": shm_free / GiB}
         if slots < 3 * n:
             row["skipped"] = (f"pool of {slots} slots < 3 x {n} (--pool-gib {args.pool_gib}, "
-                              f"{shm_free / GiB:.1f} GiB free in {host_pool.SHM_DIR})")
+                              f"{shm_free / GiB:.1f} GiB free in {shm_file.SHM_DIR})")
             print(f"  {case.unit_name} x {n}: SKIPPED, {row['skipped']}", flush=True)
             return row
         full = slots < want_slots
@@ -232,7 +232,7 @@ class Bench:
                 writes["direct_save"] = lambda: wall(acc, lambda: do_save(direct))
             mapped = device.map_host(*pool.region()) if direct.direct and acc.is_async else None
             if mapped is not None:  # the direct path's kernels alone
-                slots = torch.tensor([p[0] for p in pool.pin_for_read(load_keys)], dtype=torch.int64, device=dev)
+                slots = torch.tensor([p[0] for p in backend.slots().pin_for_read(load_keys)], dtype=torch.int64, device=dev)
                 rows = mapped.tensor.view(torch.int64).view(-1, value // 8)
                 words = dev_rows.view(torch.int64)
                 reads["slot_gather"] = lambda: events(lambda: torch.index_select(rows, 0, slots, out=words))
@@ -409,7 +409,7 @@ def main() -> int:
     parser.add_argument("--pool-gib", type=float, default=4.0, help="largest pool (in /dev/shm) per case")
     plot_argument(parser)
     parser.add_argument("--shm-dir", type=Path, default=None,
-                        help=f"put the pool in this tmpfs instead of {host_pool.SHM_DIR} (where that one is small)")
+                        help=f"put the pool in this tmpfs instead of {shm_file.SHM_DIR} (where that one is small)")
     args = parser.parse_args()
     acc = Accel(args.device)
     if args.shm_dir is not None:
@@ -419,7 +419,7 @@ def main() -> int:
         args.blocks, args.repeats, args.warmup = "8,32", min(args.repeats, 3), 1
     sizes = [int(b) for b in args.blocks.split(",") if b]
     started = time.perf_counter()
-    print(f"{m.name} on {acc.describe()}, torch {torch.__version__}; {host_pool.SHM_DIR} free "
+    print(f"{m.name} on {acc.describe()}, torch {torch.__version__}; {shm_file.SHM_DIR} free "
           f"{free_bytes() / GiB:.1f} GiB; torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs", flush=True)
     bench = Bench(acc, m, max(sizes), args)
     rows = [bench.run(Case(u, n)) for u in ("whole block", "one layer") for n in sizes]

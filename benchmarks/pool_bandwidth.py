@@ -152,7 +152,7 @@ def run_case(name: str, num_segs: int, seg: int, blocks: int, repeats: int, seed
         expect(backend.batch_put(stored, segments), Status.OK, "put")  # untimed: the keys gets read
         src_addr, dst_addr = src.data_ptr(), dst.data_ptr()
         # The stored keys' slots: copy_rows rewrites them (and the KV blocks) with the bytes they hold.
-        slots = np.array([slot for slot, _ in backend.pool.pin_for_read(stored)])
+        slots = np.array([slot for slot, _ in backend.slots().pin_for_read(stored)])
         slot_base, slot_size, ids = backend.pool.slot_address(0), backend.pool.slot_size, np.array(block_ids)
 
         def rows_put() -> None:

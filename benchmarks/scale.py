@@ -233,7 +233,7 @@ def embedded_rows(shapes, lengths, reps, before_max_keys, quick: bool) -> list[R
             pool = backend.pool
             started = time.perf_counter()
             for start in range(0, len(keys), FILL_BATCH):
-                pool.commit(pool.reserve(keys[start : start + FILL_BATCH]))
+                pool.commit(backend.slots().reserve(keys[start : start + FILL_BATCH]))
             fill_s = time.perf_counter() - started
             shape_rows = measure("embedded", backend, dep, hashes, lengths, reps, before_max_keys)
             for row in shape_rows:

@@ -129,7 +129,7 @@ def main() -> int:
         metrics = read_metrics(base)
         evictions = None
         if args.backend == "local":
-            from vllm_aio.pool.host_pool import snapshot
+            from vllm_aio.pool.inspect import snapshot
 
             evictions = snapshot(config["kv_connector_extra_config"]["local_pool_name"]).usage.evictions
     causes: Counter[str] = Counter()

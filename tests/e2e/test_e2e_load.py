@@ -32,7 +32,9 @@ from conftest import THREADS, aio_config
 from vllm_aio.devtools.load import SERVER_ENV, LoadMix, Outcome, compare, read_metrics, run_load, server_args
 from vllm_aio.devtools.serve import free_port, log_tail, vllm_server, wait_healthy
 from vllm_aio.pool.entry import HEADER_BYTES
-from vllm_aio.pool.host_pool import SHM_DIR, SharedHostPool, snapshot
+from vllm_aio.pool.host_pool import SharedHostPool
+from vllm_aio.pool.inspect import snapshot
+from vllm_aio.pool.shm_file import SHM_DIR
 
 pytest_plugins = ["mooncake_fixtures"]
 

@@ -182,6 +182,15 @@ def test_presence_epoch_moves_when_either_tier_evicts(local_pool: Backend):
     assert backend.presence_epoch() != before
 
 
+def test_gauges_are_the_local_tiers(local_pool: Backend):
+    backend = tiered(local_pool, MemoryBackend(VALUE))
+    assert backend.gauges() == local_pool.gauges() and backend.gauges()["pool_capacity_bytes"] == 64 * VALUE
+
+
+def test_a_backend_without_gauges_reports_none():
+    assert tiered().gauges() == {}
+
+
 # ---- loads ---------------------------------------------------------------------------
 
 def test_load_takes_the_local_tier_first_and_the_rest_from_the_remote_tier():

@@ -2,7 +2,9 @@
 
 Behaviour seen through the ``Backend`` contract (statuses, LRU, concurrency)
 is tested in ``test_local_backend.py``; this file covers the pool's own API
-and its life in ``/dev/shm`` (attach, seal, close, sweep of dead pools).
+and its life in ``/dev/shm`` (attach, seal, close, sweep of dead pools), and
+the ids of ``pool/ids.py``. The pool is keyed by ids: values named by string
+key or block hash go through the embedded backend's ``PoolSlots``.
 Every test uses a pool name of its own and checks nothing is left behind.
 """
 
@@ -22,15 +24,19 @@ import fcntl
 import numpy as np
 import pytest
 
-from vllm_aio.pool import host_pool
-from vllm_aio.pool.host_pool import SHM_DIR, SharedHostPool, namespace_groups, pool_path, slots_for
+from vllm_aio.backends.local import PoolSlots
+from vllm_aio.pool import shm_file
+from vllm_aio.pool.host_pool import SLOT_NO_ROOM, SLOT_STORED, SharedHostPool, slots_for
+from vllm_aio.pool.ids import BlockGroups, ValueIds, key_ids, namespace_groups, value_ids
 from vllm_aio.pool.keys import BlockParts, block_key
+from vllm_aio.pool.layout import MAGIC, Layout, PoolUsage
+from vllm_aio.pool.shm_file import SHM_DIR, lock_path, pool_path
 
 SLOT = 64
 
 
 def leftovers(name: str) -> list[str]:
-    return sorted(p.name for p in (pool_path(name), host_pool.lock_path(name)) if p.exists())
+    return sorted(p.name for p in (pool_path(name), lock_path(name)) if p.exists())
 
 
 @pytest.fixture
@@ -46,7 +52,7 @@ def new_name():
     for name in made:
         for path in SHM_DIR.glob(f"vllm_aio.{name}*"):
             path.unlink(missing_ok=True)
-        host_pool.lock_path(name).unlink(missing_ok=True)  # a refused attach leaves ours behind
+        lock_path(name).unlink(missing_ok=True)  # a refused attach leaves ours behind
 
 
 @pytest.fixture
@@ -54,9 +60,21 @@ def name(new_name) -> str:
     return new_name()
 
 
+def reserve(pool: SharedHostPool, keys: list[str], retention: int = 0) -> list[int | None]:
+    return PoolSlots(pool).reserve(keys, retention)
+
+
+def contains(pool: SharedHostPool, keys: list[str]) -> list[bool]:
+    return PoolSlots(pool).contains(keys)
+
+
+def pin(pool: SharedHostPool, keys: list[str]) -> list[tuple[int, int] | None]:
+    return PoolSlots(pool).pin_for_read(keys)
+
+
 def store(pool: SharedHostPool, key: str, data: bytes) -> bool | None:
     """reserve + copy + commit one key: True stored, False lost/no room, None already there."""
-    [slot] = pool.reserve([key])
+    [slot] = reserve(pool, [key])
     if slot is None:
         return None
     if slot < 0:
@@ -67,7 +85,7 @@ def store(pool: SharedHostPool, key: str, data: bytes) -> bool | None:
 
 
 def load(pool: SharedHostPool, key: str) -> bytes | None:
-    [pinned] = pool.pin_for_read([key])
+    [pinned] = pin(pool, [key])
     if pinned is None:
         return None
     slot, version = pinned
@@ -91,7 +109,7 @@ def test_slots_for_divides_pool_bytes_by_slot_size_and_keeps_at_least_one():
 
 @pytest.mark.parametrize("num_slots", [1, 7, 8, 9, 1000])
 def test_index_table_is_a_power_of_two_at_most_half_full(num_slots):
-    size = host_pool._Layout(SLOT, num_slots).table_size
+    size = Layout(SLOT, num_slots).table_size
     assert size & (size - 1) == 0
     assert size >= 2 * num_slots
 
@@ -108,7 +126,7 @@ def test_slot_data_starts_page_aligned(name):
 def test_pool_file_size_covers_metadata_and_all_slots(name):
     pool = SharedHostPool(name, SLOT, 5)
     try:
-        layout = host_pool._Layout(SLOT, 5)
+        layout = Layout(SLOT, 5)
         assert pool_path(name).stat().st_size == layout.file_bytes
         assert layout.file_bytes >= 5 * SLOT + 8 * layout.table_size
     finally:
@@ -131,7 +149,7 @@ def test_reserve_of_stored_key_returns_none(name):
     pool = SharedHostPool(name, SLOT, 4)
     try:
         store(pool, "a", value("a"))
-        assert pool.reserve(["a"]) == [None]
+        assert reserve(pool, ["a"]) == [None]
     finally:
         pool.close()
 
@@ -139,10 +157,10 @@ def test_reserve_of_stored_key_returns_none(name):
 def test_reserved_but_uncommitted_key_is_not_visible(name):
     pool = SharedHostPool(name, SLOT, 4)
     try:
-        [slot] = pool.reserve(["a"])
+        [slot] = reserve(pool, ["a"])
         assert slot is not None and slot >= 0
-        assert pool.contains(["a"]) == [False]
-        assert pool.pin_for_read(["a"]) == [None]
+        assert contains(pool, ["a"]) == [False]
+        assert pin(pool, ["a"]) == [None]
         pool.abandon([slot])
     finally:
         pool.close()
@@ -152,7 +170,7 @@ def test_pin_for_read_of_absent_key_is_none(name):
     pool = SharedHostPool(name, SLOT, 4)
     try:
         store(pool, "a", value("a"))
-        assert pool.pin_for_read(["b", "a"])[0] is None
+        assert pin(pool, ["b", "a"])[0] is None
     finally:
         pool.close()
 
@@ -162,7 +180,7 @@ def test_contains_reports_each_key_in_order(name):
     try:
         store(pool, "a", value("a"))
         store(pool, "c", value("c"))
-        assert pool.contains(["a", "b", "c"]) == [True, False, True]
+        assert contains(pool, ["a", "b", "c"]) == [True, False, True]
     finally:
         pool.close()
 
@@ -170,8 +188,8 @@ def test_contains_reports_each_key_in_order(name):
 def test_second_commit_of_same_key_loses_and_frees_its_slot(name):
     pool = SharedHostPool(name, SLOT, 4)
     try:
-        [s1] = pool.reserve(["a"])
-        [s2] = pool.reserve(["a"])  # a second writer before the first commits
+        [s1] = reserve(pool, ["a"])
+        [s2] = reserve(pool, ["a"])  # a second writer before the first commits
         assert s1 != s2
         assert pool.commit([s1]) == [True]
         assert pool.commit([s2]) == [False]
@@ -186,31 +204,13 @@ def test_second_commit_of_same_key_loses_and_frees_its_slot(name):
 def test_commit_publishes_each_slot_under_the_key_reserve_recorded(name):
     pool = SharedHostPool(name, SLOT, 4)
     try:
-        slots = pool.reserve(["a", "b", "c"])
+        slots = reserve(pool, ["a", "b", "c"])
         for key, slot in zip("abc", slots):
             ctypes.memmove(pool.slot_address(slot), value(key), SLOT)
         assert pool.commit([slots[2], slots[0]]) == [True, True]  # any subset, any order
-        assert pool.contains(["a", "b", "c"]) == [True, False, True]
+        assert contains(pool, ["a", "b", "c"]) == [True, False, True]
         assert load(pool, "a") == value("a") and load(pool, "c") == value("c")
         pool.abandon([slots[1]])
-    finally:
-        pool.close()
-
-
-def test_a_put_hashes_each_key_once(name, monkeypatch):
-    pool = SharedHostPool(name, SLOT, 8)
-    hashed: list[str] = []
-    real_key_ids = host_pool._key_ids
-
-    def counting_key_ids(keys):
-        hashed.extend(keys)
-        return real_key_ids(keys)
-
-    monkeypatch.setattr(host_pool, "_key_ids", counting_key_ids)
-    try:
-        keys = [f"k{i}" for i in range(5)]
-        assert pool.commit(pool.reserve(keys)) == [True] * 5
-        assert sorted(hashed) == keys
     finally:
         pool.close()
 
@@ -218,10 +218,10 @@ def test_a_put_hashes_each_key_once(name, monkeypatch):
 def test_commit_counts_ready_slots_and_ticks_lru_in_batch_order(name):
     pool = SharedHostPool(name, SLOT, 3)
     try:
-        assert pool.commit(pool.reserve(["a", "b", "c"])) == [True] * 3
+        assert pool.commit(reserve(pool, ["a", "b", "c"])) == [True] * 3
         assert pool.usage().num_ready == 3
         assert store(pool, "d", value("d")) is True  # evicts the first committed: "a"
-        assert pool.contains(["a", "b", "c", "d"]) == [False, True, True, True]
+        assert contains(pool, ["a", "b", "c", "d"]) == [False, True, True, True]
     finally:
         pool.close()
 
@@ -231,10 +231,10 @@ def test_evicted_slots_are_handed_out_in_slot_order(name):
     try:
         for key in "abcd":  # slots 0..3
             assert store(pool, key, value(key)) is True
-        pool.contains(["c", "a", "d", "b"])  # LRU order: slots 2, 0, 3, 1
-        slots = pool.reserve(["w", "x", "y"])  # evicts c, a, d
+        contains(pool, ["c", "a", "d", "b"])  # LRU order: slots 2, 0, 3, 1
+        slots = reserve(pool, ["w", "x", "y"])  # evicts c, a, d
         assert slots == [0, 2, 3]  # back to back where possible, so copies merge
-        assert pool.contains(["a", "b", "c", "d"]) == [False, True, False, False]
+        assert contains(pool, ["a", "b", "c", "d"]) == [False, True, False, False]
         pool.abandon(slots)
     finally:
         pool.close()
@@ -243,14 +243,14 @@ def test_evicted_slots_are_handed_out_in_slot_order(name):
 def test_eviction_takes_the_lowest_retention_class_first_and_lru_within_it(name):
     pool = SharedHostPool(name, SLOT, 4)
     try:
-        assert pool.commit(pool.reserve(["high1", "high2"], retention=1)) == [True, True]
-        assert pool.commit(pool.reserve(["low1", "low2"])) == [True, True]
-        pool.contains(["low2", "low1"])  # the low-class keys are now the most recently used
+        assert pool.commit(reserve(pool, ["high1", "high2"], retention=1)) == [True, True]
+        assert pool.commit(reserve(pool, ["low1", "low2"])) == [True, True]
+        contains(pool, ["low2", "low1"])  # the low-class keys are now the most recently used
         for key in ("x", "y"):
             assert store(pool, key, value(key)) is True
-        assert pool.contains(["high1", "high2", "low1", "low2", "x", "y"]) == [True, True, False, False, True, True]
+        assert contains(pool, ["high1", "high2", "low1", "low2", "x", "y"]) == [True, True, False, False, True, True]
         assert store(pool, "z", value("z")) is True  # only class 0 is evicted while there is some: x
-        assert pool.contains(["high1", "high2", "x", "y", "z"]) == [True, True, False, True, True]
+        assert contains(pool, ["high1", "high2", "x", "y", "z"]) == [True, True, False, True, True]
     finally:
         pool.close()
 
@@ -259,63 +259,58 @@ def test_a_key_stored_again_by_a_higher_class_is_kept_at_the_higher_class(name):
     pool = SharedHostPool(name, SLOT, 2)
     try:
         assert store(pool, "shared", value("s")) is True
-        assert pool.reserve(["shared"], retention=2) == [None]  # already stored: its class rises
-        assert pool.reserve(["shared"], retention=0) == [None]  # and never falls
+        assert reserve(pool, ["shared"], retention=2) == [None]  # already stored: its class rises
+        assert reserve(pool, ["shared"], retention=0) == [None]  # and never falls
         for key in ("a", "b", "c"):
             assert store(pool, key, value(key)) is True
-        assert pool.contains(["shared"]) == [True]
+        assert contains(pool, ["shared"]) == [True]
     finally:
         pool.close()
 
 
-def test_a_leased_value_is_evicted_last_in_its_class_until_its_lease_ends(name, monkeypatch):
-    pool = SharedHostPool(name, SLOT, 3)
+def test_a_leased_value_is_evicted_last_in_its_class_until_its_lease_ends(name):
     now = [10**12]
-    monkeypatch.setattr(host_pool, "_now_ns", lambda: now[0])
+    pool = SharedHostPool(name, SLOT, 3, clock=lambda: now[0])
     try:
         for key in ("a", "b", "c"):
             assert store(pool, key, value(key)) is True
-        hi, lo = host_pool._key_ids(["a"])
-        assert pool.lease_ids(hi, lo, seconds=5) == 1
+        assert pool.lease_ids(key_ids(["a"]), seconds=5) == 1
         assert store(pool, "d", value("d")) is True  # evicts "b": "a", older, is leased
-        assert pool.contains(["a", "b"]) == [True, False]
+        assert contains(pool, ["a", "b"]) == [True, False]
         now[0] += 5 * 10**9 + 1
-        pool.contains(["c", "d"])  # "a" is now the least recently used, and its lease is over
+        contains(pool, ["c", "d"])  # "a" is now the least recently used, and its lease is over
         assert store(pool, "e", value("e")) is True
-        assert pool.contains(["a", "c", "d", "e"]) == [False, True, True, True]
+        assert contains(pool, ["a", "c", "d", "e"]) == [False, True, True, True]
     finally:
         pool.close()
 
 
-def test_a_lease_never_refuses_a_save_nor_outranks_a_retention_class(name, monkeypatch):
-    pool = SharedHostPool(name, SLOT, 2)
-    monkeypatch.setattr(host_pool, "_now_ns", lambda: 10**12)
+def test_a_lease_never_refuses_a_save_nor_outranks_a_retention_class(name):
+    pool = SharedHostPool(name, SLOT, 2, clock=lambda: 10**12)
     try:
-        assert pool.commit(pool.reserve(["high"], retention=1)) == [True]
+        assert pool.commit(reserve(pool, ["high"], retention=1)) == [True]
         assert store(pool, "low", value("low")) is True
-        pool.lease_ids(*host_pool._key_ids(["low"]), seconds=60)
+        pool.lease_ids(key_ids(["low"]), seconds=60)
         assert store(pool, "x", value("x")) is True  # the leased low-class value goes, the high one stays
-        assert pool.contains(["high", "low", "x"]) == [True, False, True]
-        pool.lease_ids(*host_pool._key_ids(["high", "x"]), seconds=60)
+        assert contains(pool, ["high", "low", "x"]) == [True, False, True]
+        pool.lease_ids(key_ids(["high", "x"]), seconds=60)
         assert store(pool, "y", value("y")) is True  # every value leased: still stored
-        assert pool.lease_ids(*host_pool._key_ids(["absent"]), seconds=1) == 0
+        assert pool.lease_ids(key_ids(["absent"]), seconds=1) == 0
     finally:
         pool.close()
 
 
-def test_a_lease_is_never_shortened_by_a_later_one(name, monkeypatch):
-    pool = SharedHostPool(name, SLOT, 2)
+def test_a_lease_is_never_shortened_by_a_later_one(name):
     now = [10**12]
-    monkeypatch.setattr(host_pool, "_now_ns", lambda: now[0])
+    pool = SharedHostPool(name, SLOT, 2, clock=lambda: now[0])
     try:
         for key in ("a", "b"):
             assert store(pool, key, value(key)) is True
-        hi, lo = host_pool._key_ids(["a"])
-        pool.lease_ids(hi, lo, seconds=10)
-        pool.lease_ids(hi, lo, seconds=1)
+        pool.lease_ids(key_ids(["a"]), seconds=10)
+        pool.lease_ids(key_ids(["a"]), seconds=1)
         now[0] += 2 * 10**9
         assert store(pool, "c", value("c")) is True  # the first holder's lease still runs: "b" goes
-        assert pool.contains(["a", "b"]) == [True, False]
+        assert contains(pool, ["a", "b"]) == [True, False]
     finally:
         pool.close()
 
@@ -324,11 +319,11 @@ def test_abandoned_slot_is_reused_before_any_eviction(name):
     pool = SharedHostPool(name, SLOT, 2)
     try:
         store(pool, "a", value("a"))
-        [slot] = pool.reserve(["b"])
+        [slot] = reserve(pool, ["b"])
         pool.abandon([slot])
         assert store(pool, "c", value("c")) is True
         assert pool.usage().evictions == 0
-        assert pool.contains(["a", "c"]) == [True, True]
+        assert contains(pool, ["a", "c"]) == [True, True]
     finally:
         pool.close()
 
@@ -336,7 +331,7 @@ def test_abandoned_slot_is_reused_before_any_eviction(name):
 def test_reserve_beyond_capacity_with_nothing_evictable_returns_minus_one(name):
     pool = SharedHostPool(name, SLOT, 2)
     try:
-        slots = pool.reserve(["a", "b", "c"])
+        slots = reserve(pool, ["a", "b", "c"])
         assert sorted(slots[:2]) == [0, 1]
         assert slots[2] == -1
         pool.abandon(slots[:2])
@@ -348,7 +343,7 @@ def test_still_valid_holds_for_an_undisturbed_slot(name):
     pool = SharedHostPool(name, SLOT, 2)
     try:
         store(pool, "a", value("a"))
-        [(slot, version)] = pool.pin_for_read(["a"])
+        [(slot, version)] = pin(pool, ["a"])
         assert pool.still_valid(slot, version)
     finally:
         pool.close()
@@ -358,7 +353,7 @@ def test_still_valid_fails_once_the_slot_is_evicted_and_reused(name):
     pool = SharedHostPool(name, SLOT, 1)
     try:
         store(pool, "a", value("a"))
-        [(slot, version)] = pool.pin_for_read(["a"])
+        [(slot, version)] = pin(pool, ["a"])
         assert store(pool, "b", value("b")) is True  # evicts "a", reuses its slot
         assert not pool.still_valid(slot, version)
     finally:
@@ -368,7 +363,7 @@ def test_still_valid_fails_once_the_slot_is_evicted_and_reused(name):
 def test_usage_counts_ready_slots_bytes_evictions_and_lookups(name):
     pool = SharedHostPool(name, SLOT, 2)
     try:
-        assert pool.usage() == host_pool.PoolUsage(num_slots=2, num_ready=0, slot_size=SLOT, evictions=0,
+        assert pool.usage() == PoolUsage(num_slots=2, num_ready=0, slot_size=SLOT, evictions=0,
                                                    lookups=0, hits=0)
         for key in "abc":
             store(pool, key, value(key))
@@ -397,7 +392,7 @@ def test_a_pool_dev_shm_cannot_hold_fails_at_start_naming_local_pool_size_and_le
     def full(fd, offset, size):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(host_pool.os, "posix_fallocate", full)
+    monkeypatch.setattr(shm_file.os, "posix_fallocate", full)
     with pytest.raises(RuntimeError, match=r"local_pool_size: could not allocate .*No space left on device"):
         SharedHostPool(name, SLOT, 64)
     assert leftovers(name) == []
@@ -456,7 +451,7 @@ def test_attach_after_seal_creates_a_new_empty_pool(name):
     a.seal()
     b = SharedHostPool(name, SLOT, 4)
     try:
-        assert b.contains(["k"]) == [False]
+        assert contains(b, ["k"]) == [False]
     finally:
         a.close()
         b.close()
@@ -510,14 +505,14 @@ def test_file_that_is_not_a_pool_is_refused(name):
             SharedHostPool(name, SLOT, 4)
     finally:
         pool_path(name).unlink()
-        host_pool.lock_path(name).unlink(missing_ok=True)
+        lock_path(name).unlink(missing_ok=True)
 
 
 def test_calls_after_close_raise(name):
     pool = SharedHostPool(name, SLOT, 4)
     pool.close()
     with pytest.raises(Exception):
-        pool.contains(["k"])
+        contains(pool, ["k"])
 
 
 # ---- sweeping pools of dead processes ----------------------------------------------
@@ -560,48 +555,49 @@ def test_pool_with_a_live_process_is_not_swept(new_name):
         b.close()
 
 
-def test_pool_being_created_is_not_swept_by_a_concurrent_creator(new_name, monkeypatch):
+def test_pool_being_created_is_not_swept_by_a_concurrent_creator(new_name):
+    # A creator maps its file and lists its pid before the magic goes in: until
+    # then the file shows no live pid, and a sweeper must leave it alone.
     first, second = new_name(), new_name()
-    other: list[SharedHostPool] = []
-    real_add_pid = SharedHostPool._add_pid
-
-    def add_pid_after_another_creation(self, pid):
-        if self.name == first and not other:
-            other.append(SharedHostPool(second, SLOT, 4))  # another process, same instant
-        real_add_pid(self, pid)
-
-    monkeypatch.setattr(SharedHostPool, "_add_pid", add_pid_after_another_creation)
-    pool = SharedHostPool(first, SLOT, 4)
+    pool_path(first).write_bytes(b"\0" * 8 * (16 + 256))  # header and pid table, all zero: no magic yet
+    pool_path(first).chmod(0o600)
+    pool = SharedHostPool(second, SLOT, 4)
     try:
         assert pool_path(first).exists()
     finally:
         pool.close()
-        other[0].close()
+        pool_path(first).unlink()
 
 
-def test_attacher_racing_the_last_close_shares_its_lock_with_later_attachers(name, monkeypatch):
+def test_attacher_racing_the_last_close_locks_the_lock_file_later_attachers_lock(name, monkeypatch):
     last = SharedHostPool(name, SLOT, 4)
-    lock_path = os.fspath(host_pool.lock_path(name))
+    lock_file = os.fspath(lock_path(name))
     real_open = os.open
     armed = [True]
 
     def open_then_last_close(path, *args, **kwargs):
         fd = real_open(path, *args, **kwargs)
-        if armed[0] and os.fspath(path) == lock_path:
+        if armed[0] and os.fspath(path) == lock_file:
             armed[0] = False
             last.close()  # the last attached process detaches right after this open
         return fd
 
-    monkeypatch.setattr(host_pool.os, "open", open_then_last_close)
+    monkeypatch.setattr(shm_file.os, "open", open_then_last_close)
     racer = SharedHostPool(name, SLOT, 4)
     monkeypatch.undo()
-    later = SharedHostPool(name, SLOT, 4)
+    later = SharedHostPool(name, SLOT, 4)  # attaches through the lock file at the path now
+    held = os.open(lock_file, os.O_RDWR)
     try:
-        with racer._locked():
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(later._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (racer.commit(reserve(racer, ["a"])), done.set()))
+        t.start()
+        assert not done.wait(0.3)  # the racer waits for the lock of the file at the path
+        fcntl.flock(held, fcntl.LOCK_UN)
+        t.join(10)
+        assert done.is_set() and contains(later, ["a"]) == [True]
     finally:
-        fcntl.flock(later._lock_fd, fcntl.LOCK_UN)
+        os.close(held)
         racer.close()
         later.close()
 
@@ -617,7 +613,7 @@ def block_hashes(n: int, tag: str = "b") -> list[bytes]:
 
 
 def put_keys(pool: SharedHostPool, keys: list[str]) -> None:
-    assert all(pool.commit([s for s in pool.reserve(keys) if s is not None]))
+    assert all(pool.commit([s for s in reserve(pool, keys) if s is not None]))
 
 
 def complete(pool: SharedHostPool, hashes: list[bytes], parts: BlockParts = PARTS) -> int:
@@ -628,7 +624,7 @@ def test_a_block_is_complete_once_every_part_is_committed(name):
     pool = SharedHostPool(name, SLOT, 64)
     hashes = block_hashes(3)
     keys = [k for h in hashes for k in PARTS.keys(h)]
-    slots = pool.reserve(keys)
+    slots = reserve(pool, keys)
     assert complete(pool, hashes) == 0  # reserved, not yet committed
     pool.commit(slots[:-1])  # every part but the last block's last
     assert complete(pool, hashes) == 2
@@ -721,16 +717,16 @@ def test_a_block_key_is_found_from_its_hash_alone(name):
     try:
         hashes = [hashlib.sha256(bytes([i])).digest() for i in range(4)]  # as vLLM's block hashes
         keys = [block_key("0123456789abcdef", "pp0.dcp0.h0", h, 3) for h in hashes]
-        pool.commit(pool.reserve(keys[:2] + ["not-a-block-key"]))
-        slots, versions = pool.pin_blocks("0123456789abcdef", "pp0.dcp0.h0", 3, hashes)
-        pinned = pool.pin_for_read(keys)
+        pool.commit(reserve(pool, keys[:2] + ["not-a-block-key"]))
+        slots, versions = PoolSlots(pool).pin_blocks("0123456789abcdef", "pp0.dcp0.h0", 3, hashes)
+        pinned = pin(pool, keys)
         assert [None if s < 0 else (s, v) for s, v in zip(slots.tolist(), versions.tolist())] == pinned
         assert slots[2] == slots[3] == -1 and pinned[0] is not None
         # Another layer, shard or namespace names other values.
-        assert (pool.pin_blocks("0123456789abcdef", "pp0.dcp0.h0", 4, hashes)[0] == -1).all()
-        assert (pool.pin_blocks("0123456789abcdef", "pp0.dcp0.h1", 3, hashes)[0] == -1).all()
+        assert (PoolSlots(pool).pin_blocks("0123456789abcdef", "pp0.dcp0.h0", 4, hashes)[0] == -1).all()
+        assert (PoolSlots(pool).pin_blocks("0123456789abcdef", "pp0.dcp0.h1", 3, hashes)[0] == -1).all()
         assert pool.unchanged(slots[:2], versions[:2]).all()
-        pool.commit(pool.reserve([f"evict{i}" for i in range(8)]))  # evicts and rewrites every slot
+        pool.commit(reserve(pool, [f"evict{i}" for i in range(8)]))  # evicts and rewrites every slot
         assert not pool.unchanged(slots[:2], versions[:2]).any()
     finally:
         pool.close()
@@ -740,7 +736,7 @@ STRUCTURED = [b"A" * 16 + b"B" * 16, b"B" * 16 + b"A" * 16, b"A" * 32, b"B" * 32
 # swapped halves, equal halves, padding; then the equal words that once made block records collide
 STRUCTURED += [bytes([i]) * 32 for i in range(6)]
 ID_FUNCTIONS = {
-    "value_ids": lambda hashes: host_pool.value_ids("0123456789abcdef", "pp0.dcp0.h0", 0, hashes),
+    "value_ids": lambda hashes: value_ids("0123456789abcdef", "pp0.dcp0.h0", 0, hashes),
     "block_records": lambda hashes: namespace_groups("0123456789abcdef", False, hashes),
 }
 
@@ -764,7 +760,7 @@ def test_a_block_with_structured_hash_is_complete_only_once_stored(name):
     pool = SharedHostPool(name, SLOT, 16)
     try:
         hashes = [bytes([i]) * 32 for i in range(6)]
-        pool.commit(pool.reserve([block_key("0123456789abcdef", "pp0.dcp0.h0", hashes[0])]))
+        pool.commit(reserve(pool, [block_key("0123456789abcdef", "pp0.dcp0.h0", hashes[0])]))
         assert pool.complete_blocks(namespace_groups("0123456789abcdef", False, hashes), 1) == 1
     finally:
         pool.close()
@@ -789,7 +785,7 @@ def needs_root():
 def test_created_pool_and_lock_files_are_private_to_this_user(name):
     pool = SharedHostPool(name, SLOT, 4)
     try:
-        for path in (pool_path(name), host_pool.lock_path(name)):
+        for path in (pool_path(name), lock_path(name)):
             st = os.stat(path)
             assert st.st_uid == os.geteuid() and st.st_mode & 0o077 == 0, oct(st.st_mode)
     finally:
@@ -799,7 +795,7 @@ def test_created_pool_and_lock_files_are_private_to_this_user(name):
 @pytest.mark.parametrize("which", ["pool", "lock"])
 def test_a_file_another_user_planted_is_refused(name, which):
     needs_root()
-    path = pool_path(name) if which == "pool" else host_pool.lock_path(name)
+    path = pool_path(name) if which == "pool" else lock_path(name)
     plant(path, mode=0o600, uid=OTHER_UID)
     try:
         with pytest.raises(RuntimeError, match=f"owned by uid {OTHER_UID}"):
@@ -816,12 +812,12 @@ def test_a_pool_file_readable_by_others_is_refused(name):
             SharedHostPool(name, SLOT, 4)
     finally:
         pool_path(name).unlink()
-        host_pool.lock_path(name).unlink(missing_ok=True)
+        lock_path(name).unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("which", ["pool", "lock"])
 def test_a_symlink_of_our_name_is_not_followed(name, which, tmp_path):
-    path = pool_path(name) if which == "pool" else host_pool.lock_path(name)
+    path = pool_path(name) if which == "pool" else lock_path(name)
     target = tmp_path / "elsewhere"
     target.write_bytes(b"secret")
     path.symlink_to(target)
@@ -830,7 +826,7 @@ def test_a_symlink_of_our_name_is_not_followed(name, which, tmp_path):
             SharedHostPool(name, SLOT, 4)
     finally:
         path.unlink()
-        host_pool.lock_path(name).unlink(missing_ok=True)
+        lock_path(name).unlink(missing_ok=True)
     assert target.read_bytes() == b"secret"
 
 
@@ -843,13 +839,13 @@ def test_a_pool_of_an_older_version_gets_a_clear_error(name):
             SharedHostPool(name, SLOT, 4)
     finally:
         pool_path(name).unlink()
-        host_pool.lock_path(name).unlink(missing_ok=True)
+        lock_path(name).unlink(missing_ok=True)
 
 
 def test_sweeping_dead_pools_leaves_other_users_files_alone(name, new_name):
     needs_root()
     head = np.zeros(16 + 256, dtype=np.int64)
-    head[0], head[16] = host_pool._MAGIC, 2**22 + 12345  # a pool whose only pid is dead
+    head[0], head[16] = MAGIC, 2**22 + 12345  # a pool whose only pid is dead
     theirs = pool_path(new_name())
     plant(theirs, head.tobytes(), mode=0o600, uid=OTHER_UID)
     try:
@@ -869,18 +865,18 @@ def test_reserve_blocks_answers_as_reserve_of_the_block_keys_would(name):
     pool = SharedHostPool(name, SLOT, 8)
     try:
         put_keys(pool, keys[:3])  # stored through the string keys
-        slots = pool.reserve_blocks(DIGEST, shard, tag, hashes)
-        assert (slots[:3] == host_pool.SLOT_STORED).all() and (slots[3:] >= 0).all()
+        slots = PoolSlots(pool).reserve_blocks(DIGEST, shard, tag, hashes)
+        assert (slots[:3] == SLOT_STORED).all() and (slots[3:] >= 0).all()
         assert pool.commit(slots[3:]) == [True] * 3  # an array, as the direct path passes it
         # The same ids as the strings': every key is found where reserve_blocks put it, and stored.
-        assert [slot for slot, _ in pool.pin_for_read(keys)][3:] == slots[3:].tolist()
-        assert pool.reserve(keys) == [None] * 6
+        assert [slot for slot, _ in pin(pool, keys)][3:] == slots[3:].tolist()
+        assert reserve(pool, keys) == [None] * 6
         # And the same block records: each block has its one part.
         assert complete(pool, hashes, BlockParts(DIGEST, (shard,), (tag,))) == 6
         # No room: every slot reserved (the stored values evicted for it), and both say so alike.
-        writing = pool.reserve_array([f"w{i}" for i in range(8)])
-        assert pool.reserve_blocks(DIGEST, shard, tag, hashes).tolist() == [host_pool.SLOT_NO_ROOM] * 6
-        assert pool.reserve(keys) == [-1] * 6
+        writing = PoolSlots(pool).reserve_array([f"w{i}" for i in range(8)])
+        assert PoolSlots(pool).reserve_blocks(DIGEST, shard, tag, hashes).tolist() == [SLOT_NO_ROOM] * 6
+        assert reserve(pool, keys) == [-1] * 6
         pool.abandon(writing)
     finally:
         pool.close()
@@ -891,12 +887,12 @@ def test_a_batch_committing_one_key_twice_stores_it_once(name):
     key = block_key(DIGEST, "pp0.dcp0.h0", h)
     pool = SharedHostPool(name, SLOT, 4)
     try:
-        [first], [second] = pool.reserve([key]), pool.reserve([key])  # two writers, neither committed
+        [first], [second] = reserve(pool, [key]), reserve(pool, [key])  # two writers, neither committed
         assert pool.commit([first, second]) == [True, False]
         assert pool.usage().num_ready == 1
         assert pool.block_parts(namespace_groups(DIGEST, False, [h])).tolist() == [1]  # counted once
         # The loser's slot is free again: three more values fit without an eviction.
-        assert sorted(pool.reserve_array(["a", "b", "c"]).tolist()) == sorted({0, 1, 2, 3} - {first})
+        assert sorted(PoolSlots(pool).reserve_array(["a", "b", "c"]).tolist()) == sorted({0, 1, 2, 3} - {first})
         assert pool.usage().evictions == 0
     finally:
         pool.close()
@@ -964,13 +960,13 @@ def test_records_and_index_stay_exact_through_random_saves_and_evictions(name, s
                             p=[0.3, 0.3, 0.2, 0.05, 0.13, 0.02])
             if op == "reserve":
                 chosen = [list(keys.values())[i] for i in rng.choice(len(keys), rng.integers(1, 9), replace=False)]
-                slots = pool.reserve(chosen)
+                slots = reserve(pool, chosen)
             elif op == "reserve_blocks":
                 tag = int(rng.choice(parts.tags))
                 picked = [hashes[i] for i in rng.choice(len(hashes), rng.integers(1, 7), replace=False)]
                 chosen = [keys[h, tag] for h in picked]
-                slots = [None if s == host_pool.SLOT_STORED else s
-                         for s in pool.reserve_blocks(DIGEST, parts.shards[0], tag, picked).tolist()]
+                slots = [None if s == SLOT_STORED else s
+                         for s in PoolSlots(pool).reserve_blocks(DIGEST, parts.shards[0], tag, picked).tolist()]
             if op in ("reserve", "reserve_blocks"):
                 granted, stored = model.reserve(chosen)
                 assert [k for k, s in zip(chosen, slots) if s is not None and s >= 0] == granted
@@ -985,7 +981,7 @@ def test_records_and_index_stay_exact_through_random_saves_and_evictions(name, s
                 del model.pending[slot]
             elif op == "pin":
                 asked = list(keys.values())
-                assert [p is not None for p in pool.pin_for_read(asked)] == model.pin(asked)
+                assert [p is not None for p in pin(pool, asked)] == model.pin(asked)
             elif op == "evict_all":
                 pool.evict_values()
                 model.evict_all()
@@ -1010,16 +1006,16 @@ def test_every_key_stays_findable_through_churn_in_a_tiny_table_of_collisions(na
     lo = universe * 16 + universe % 3  # homes 0, 1, 2
     hi = universe + 1
     pair = universe // 2  # two values per record
-    groups = host_pool.BlockGroups(pair * 2 + 1, pair * 16 + pair % 3)
+    groups = BlockGroups(pair * 2 + 1, pair * 16 + pair % 3)
     try:
         stored: set[int] = set()
         for _ in range(200):
             batch = rng.choice(universe, rng.integers(1, 6), replace=False)
-            slots = pool.reserve_ids(hi[batch], lo[batch], host_pool.BlockGroups(groups.hi[batch], groups.lo[batch]))
+            slots = pool.reserve_ids(ValueIds(hi[batch], lo[batch]), BlockGroups(groups.hi[batch], groups.lo[batch]))
             fresh = slots >= 0
             won = pool.commit(slots[fresh])
-            stored |= set(batch[slots == host_pool.SLOT_STORED].tolist()) | set(batch[fresh][won].tolist())
-            present = pool.pin_ids(hi, lo)[0] >= 0
+            stored |= set(batch[slots == SLOT_STORED].tolist()) | set(batch[fresh][won].tolist())
+            present = pool.pin_ids(ValueIds(hi, lo))[0] >= 0
             stored &= set(universe[present].tolist())  # what eviction took
             assert set(universe[present].tolist()) == stored and len(stored) == pool.usage().num_ready <= 8
             # Each record counts exactly the values of its ids that are found.
@@ -1037,9 +1033,9 @@ def test_a_free_lock_is_taken_without_the_blocking_flock_call(name, monkeypatch)
         def blocking_flock(fd, op):
             raise AssertionError("the lock was free: no blocking flock call")
 
-        monkeypatch.setattr(host_pool.fcntl, "flock", blocking_flock)
-        pool.commit(pool.reserve(["a"]))
-        assert pool.contains(["a", "b"]) == [True, False]
+        monkeypatch.setattr(shm_file.fcntl, "flock", blocking_flock)
+        pool.commit(reserve(pool, ["a"]))
+        assert contains(pool, ["a", "b"]) == [True, False]
     finally:
         monkeypatch.undo()
         pool.close()
@@ -1047,7 +1043,7 @@ def test_a_free_lock_is_taken_without_the_blocking_flock_call(name, monkeypatch)
 
 def test_a_lock_held_elsewhere_is_waited_for(name):
     pool = SharedHostPool(name, SLOT, 4)
-    other = os.open(host_pool.lock_path(name), os.O_RDWR)  # its own open file: a lock of its own
+    other = os.open(lock_path(name), os.O_RDWR)  # its own open file: a lock of its own
     try:
         fcntl.flock(other, fcntl.LOCK_EX)
         released = []
@@ -1059,7 +1055,7 @@ def test_a_lock_held_elsewhere_is_waited_for(name):
 
         t = threading.Thread(target=release)
         t.start()
-        pool.commit(pool.reserve(["a"]))  # blocks until the other holder lets go
+        pool.commit(reserve(pool, ["a"]))  # blocks until the other holder lets go
         assert released == [True]
         t.join()
     finally:

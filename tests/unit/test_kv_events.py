@@ -27,6 +27,7 @@ from vllm_aio.connector.events import KVEvents, Removed, SavedParts, SettledSave
 from vllm_aio.connector.metadata import AioConnectorMetadata
 from vllm_aio.connector.scheduler import AioScheduler
 from vllm_aio.connector.worker import AioWorker
+from vllm_aio.backends.local import PoolSlots
 from vllm_aio.pool.host_pool import SharedHostPool
 from vllm_aio.pool.keys import BlockParts
 from vllm_aio.pool.ownership import Ownership
@@ -226,7 +227,7 @@ def test_eviction_by_another_attachment_reaches_the_watch(local):
     watch.add(parts, old)
     other = SharedHostPool(backend.pool.name, 64, 4)  # e.g. a worker, or another instance on the pool
     try:
-        reserved = other.reserve(["x", "y"])  # evicts the two least recently used blocks
+        reserved = PoolSlots(other).reserve(["x", "y"])  # evicts the two least recently used blocks
         other.abandon(reserved)
     finally:
         other.close()

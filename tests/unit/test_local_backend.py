@@ -24,7 +24,7 @@ from vllm_aio import host_copy
 from vllm_aio.backends import local
 from vllm_aio.backends.base import Status
 from vllm_aio.backends.local import LocalBackend
-from vllm_aio.pool.host_pool import SHM_DIR, pool_path
+from vllm_aio.pool.shm_file import SHM_DIR, pool_path
 from vllm_aio.pool.keys import BlockParts
 
 SEGMENT_SIZES = (100, 28, 256, 128)  # a value scattered over 4 regions
@@ -220,6 +220,33 @@ def test_batch_larger_than_full_pool_evicts_everything_old_and_reports_no_space(
         backend.close()
 
 
+def test_gauges_read_the_pools_fill_and_its_evictions_since_it_was_created(name):
+    backend = open_backend(name, slots=4)
+    try:
+        assert backend.gauges() == {"pool_used_bytes": 0.0, "pool_capacity_bytes": 4.0 * VALUE,
+                                    "pool_stored_values": 0.0, "pool_evicted_values": 0.0}
+        put(backend, [f"k{i}" for i in range(4)])
+        put(backend, ["k4", "k5"])  # two evicted
+        gauges = backend.gauges()
+        assert (gauges["pool_used_bytes"], gauges["pool_stored_values"]) == (4.0 * VALUE, 4.0)
+        assert gauges["pool_evicted_values"] == 2.0
+    finally:
+        backend.close()
+    assert backend.gauges() == {}  # closed: nothing to read
+
+
+def test_gauges_count_what_every_attachment_evicted(name):
+    first, second = open_backend(name, slots=2), open_backend(name, slots=2)
+    try:
+        put(second, ["a", "b"])
+        put(second, ["c"])
+        assert first.gauges()["pool_evicted_values"] == 1.0
+        assert first.gauges()["pool_stored_values"] == 2.0
+    finally:
+        first.close()
+        second.close()
+
+
 # ---- a reader racing an eviction ---------------------------------------------------
 
 
@@ -228,7 +255,7 @@ def test_slot_evicted_and_rewritten_after_pin_is_no_longer_valid(name):
     writer = open_backend(name, slots=4)
     try:
         put(reader, ["victim"])
-        [(slot, version)] = reader.pool.pin_for_read(["victim"])
+        [(slot, version)] = reader.slots().pin_for_read(["victim"])
         put(writer, [f"new{i}" for i in range(4)])  # evicts every slot, the victim's too
         assert not reader.pool.still_valid(slot, version)
     finally:
@@ -296,7 +323,7 @@ def test_slot_evicted_while_several_threads_copy_is_corrupt_alone(name, four_cop
     def copy_while_another_process_evicts(*args, **kwargs):
         # Between pin and copy: a writer evicts the LRU key, the first one
         # pinned by this get, and takes its slot (reserve bumps its version).
-        [slot] = writer.pool.reserve(["intruder"])
+        [slot] = writer.slots().reserve(["intruder"])
         assert slot is not None and slot >= 0
         writer.pool.abandon([slot])
         real_copy_many(*args, **kwargs)

@@ -120,7 +120,7 @@ def test_a_part_evicted_after_the_lookup_is_reported_for_recompute(halves):
     def lookup_then_evict(req, computed):
         answer = lookup(req, computed)
         usage = pool.usage()  # fill every free slot and one more: the oldest part (block 0, layer 0) goes
-        pool.abandon(pool.reserve([f"x{i}" for i in range(usage.num_slots - usage.num_ready + 1)]))
+        pool.abandon(backend.slots().reserve([f"x{i}" for i in range(usage.num_slots - usage.num_ready + 1)]))
         return answer
 
     scheduler.get_num_new_matched_tokens = lookup_then_evict

@@ -13,7 +13,9 @@ import uuid
 import pytest
 
 from vllm_aio.migration.target import MigrationRefused, MigrationTarget
-from vllm_aio.pool.host_pool import SHM_DIR, SharedHostPool
+from vllm_aio.backends.local import PoolSlots
+from vllm_aio.pool.host_pool import SharedHostPool
+from vllm_aio.pool.shm_file import SHM_DIR
 
 SLOT, SLOTS, TIMEOUT, GRACE, HEADER = 256, 64, 10.0, 6.0, 16
 
@@ -30,7 +32,7 @@ class Clock:
 def pool():
     name = f"test-{uuid.uuid4().hex[:16]}"
     p = SharedHostPool(name, SLOT, SLOTS)
-    yield p
+    yield PoolSlots(p)  # what the embedded backend's ``slots()`` hands a migration
     p.close()
     for path in SHM_DIR.glob(f"vllm_aio*{name}*"):
         path.unlink(missing_ok=True)
@@ -57,8 +59,8 @@ def blocks(n: int, parts: int = 2) -> list[list[str]]:
     return [[f"k{tag}-{b}-{p}" for p in range(parts)] for b in range(n)]
 
 
-def write(pool: SharedHostPool, slot: int, data: bytes) -> None:
-    ctypes.memmove(pool.slot_address(slot), data, len(data))
+def write(pool: PoolSlots, slot: int, data: bytes) -> None:
+    ctypes.memmove(pool.region()[0] + slot * pool.slot_size, data, len(data))
 
 
 def allocate(target, keys, migration_id=None):

@@ -17,7 +17,9 @@ import pytest
 from vllm_aio.cli import main
 from vllm_aio.pool import inspect
 from vllm_aio.pool.entry import EntryHeader
-from vllm_aio.pool.host_pool import SHM_DIR, SharedHostPool, lock_path, pool_path
+from vllm_aio.backends.local import PoolSlots
+from vllm_aio.pool.host_pool import SharedHostPool
+from vllm_aio.pool.shm_file import SHM_DIR, lock_path, pool_path
 
 SLOT = 64
 NS_A, NS_B = "a" * 16, "b" * 16
@@ -50,7 +52,7 @@ def entry(namespace: str, tag: bytes) -> bytes:
 
 
 def put(pool: SharedHostPool, key: str, data: bytes) -> None:
-    [slot] = pool.reserve([key])
+    [slot] = PoolSlots(pool).reserve([key])
     ctypes.memmove(pool.slot_address(slot), data, len(data))
     assert pool.commit([slot]) == [True]
 
@@ -58,7 +60,7 @@ def put(pool: SharedHostPool, key: str, data: bytes) -> None:
 def test_ls_shows_size_entries_fill_hits_and_our_pid(pool, capsys):
     put(pool, "k1", entry(NS_A, b"1"))
     put(pool, "k2", entry(NS_A, b"2"))
-    pool.pin_for_read(["k1", "k2", "absent"])
+    PoolSlots(pool).pin_for_read(["k1", "k2", "absent"])
 
     infos, _ = inspect.list_pools()
     (info,) = [i for i in infos if i.name == pool.name]
@@ -105,21 +107,21 @@ def test_reading_a_pool_takes_no_lock_and_changes_nothing(pool):
 def test_clear_of_one_namespace_keeps_the_rest_and_values_being_written(pool, capsys):
     put(pool, "a1", entry(NS_A, b"1"))
     put(pool, "b1", entry(NS_B, b"1"))
-    [writing] = pool.reserve(["a2"])
+    [writing] = PoolSlots(pool).reserve(["a2"])
     ctypes.memmove(pool.slot_address(writing), entry(NS_A, b"2"), SLOT)
 
     assert main(["pool", "clear", pool.name, "--namespace", NS_A]) == 0
     assert f"evicted 1 values of namespace {NS_A}" in capsys.readouterr().out
-    assert pool.contains(["a1", "b1"]) == [False, True]
+    assert PoolSlots(pool).contains(["a1", "b1"]) == [False, True]
     assert pool.usage().evictions == 1  # the presence epoch tells schedulers something went
     assert pool.commit([writing]) == [True]  # the put in flight completes
-    assert pool.contains(["a2"]) == [True]
+    assert PoolSlots(pool).contains(["a2"]) == [True]
     assert pool_path(pool.name).exists()
 
 
 def test_a_reader_that_pinned_a_cleared_value_sees_it_changed(pool):
     put(pool, "k", entry(NS_A, b"1"))
-    [(slot, version)] = pool.pin_for_read(["k"])
+    [(slot, version)] = PoolSlots(pool).pin_for_read(["k"])
     assert inspect.clear(pool.name).evicted == 1
     assert not pool.still_valid(slot, version)
 

@@ -166,7 +166,7 @@ class Backend(ABC):
         False: the backend copies with the CPU and registering does nothing."""
         return False
 
-    def slots(self) -> "SlotStore | None":
+    def slots(self) -> "KeyedSlotStore | None":
         """The store's values as fixed-size slots of one host mapping that the caller copies
         into and out of itself (a device kernel reading the mapping: no copy through the
         backend); None where values live anywhere else (the default)."""
@@ -203,12 +203,12 @@ class Backend(ABC):
 
 
 class SlotStore(Protocol):
-    """Values kept as fixed-size slots in one region of host memory (``Backend.slots``).
+    """Values kept as fixed-size slots in one region of host memory, found by block hash (``Backend.slots``).
 
-    A reader pins (slot, version) pairs, copies, and asks ``still_valid``
-    afterwards; a writer reserves slots (invisible and never evicted until
-    ``commit`` or ``abandon``), fills them and commits. Keys of one call are
-    distinct, as for ``Backend``'s batches.
+    What the direct path uses: a reader pins (slot, version) pairs, copies,
+    and asks ``unchanged`` afterwards; a writer reserves slots (invisible and
+    never evicted until ``commit`` or ``abandon``), fills them and commits.
+    Hashes of one call are distinct, as keys are for ``Backend``'s batches.
     """
 
     @property
@@ -217,38 +217,41 @@ class SlotStore(Protocol):
     def region(self) -> tuple[int, int]:
         """(address, bytes) of the slots: slot i starts at address + i * slot_size."""
 
-    def pin_for_read(self, keys: Sequence[str]) -> list[tuple[int, int] | None]:
-        """Per key: (slot, version), or None if absent."""
-
-    def still_valid(self, slot: int, version: int) -> bool:
-        """Whether the slot still holds the value pinned at that version."""
-
     def pin_blocks(self, namespace_digest: str, shard: str, tag: int | None, hashes: Sequence[bytes]):
-        """``pin_for_read`` of the block keys of ``hashes`` (``pool/keys.block_key``), found from
-        the hashes alone: two integer arrays (slots, versions), slot -1 where absent."""
+        """The values of the block keys of ``hashes`` (``pool/keys.block_key``), found from the
+        hashes alone: two integer arrays (slots, versions), slot -1 where absent."""
 
     def unchanged(self, slots, versions):
-        """``still_valid`` of many pins at once: a boolean array."""
-
-    def reserve(self, keys: Sequence[str], retention: int = 0) -> list[int | None]:
-        """Per key: a slot to fill, None if already stored, -1 if there is no room
-        (``retention`` as for ``Backend.batch_put``)."""
+        """Whether each pinned slot still holds the value pinned at that version: a boolean array."""
 
     def reserve_blocks(self, namespace_digest: str, shard: str, tag: int | None, hashes: Sequence[bytes],
                        retention: int = 0):
-        """``reserve`` of the block keys of ``hashes``, found from the hashes alone (as ``pin_blocks``):
-        an integer array, per hash a slot, ``SLOT_STORED`` if already stored or ``SLOT_NO_ROOM``
-        (``pool/host_pool.py``)."""
+        """Slots to fill for the block keys of ``hashes`` (as ``pin_blocks``): an integer array, per
+        hash a slot, ``SLOT_STORED`` if already stored or ``SLOT_NO_ROOM`` (``pool/host_pool.py``;
+        ``retention`` as for ``Backend.batch_put``)."""
 
     def commit(self, slots) -> list[bool]:
         """Publish filled slots (a sequence or an integer array); False where another writer,
-        or an earlier slot of the batch, stored the key first."""
+        or an earlier slot of the batch, stored the value first."""
 
     def abandon(self, slots) -> None:
         """Give reserved slots (a sequence or an integer array) back unfilled."""
 
+
+class KeyedSlotStore(SlotStore, Protocol):
+    """A ``SlotStore`` whose values are also named by string key: what a migration moves them through."""
+
+    def pin_for_read(self, keys: Sequence[str]) -> list[tuple[int, int] | None]:
+        """Per key: (slot, version), or None if absent."""
+
+    def reserve(self, keys: Sequence[str], retention: int = 0) -> list[int | None]:
+        """Per key: a slot to fill, None if already stored, -1 if there is no room."""
+
     def read_headers(self, slots: Sequence[int], length: int) -> list[bytes]:
         """The first ``length`` bytes of each slot (a migration checks what a peer wrote)."""
+
+    def writing_slots(self) -> int:
+        """Slots reserved and not yet committed or abandoned."""
 
 
 class BlockWatch(Protocol):

@@ -15,6 +15,10 @@ KV events (``block_watch``): the pool's eviction log says which blocks lost a
 value, whichever attached process evicted it; the watch reads the entries
 written since its last look, so its cost follows evictions, not the pool's size.
 
+The pool itself knows ids only (``pool/ids.py`` mixes them): ``PoolSlots``
+names its values by string key (the ``Backend`` contract, a migration) or by
+block hash (the direct path), and is the ``SlotStore`` this backend hands out.
+
 A batch's copies run together after one index operation (``reserve`` or
 ``pin_for_read``) and before the next (``commit`` or the version checks), in
 one ``host_copy.copy_many`` call: compiled loops, on every core for a large
@@ -32,7 +36,8 @@ import numpy as np
 from vllm_aio.backends.base import Backend, Segment, Status, distinct_only
 from vllm_aio.backends.segments import FlatSegments
 from vllm_aio.host_copy import copy_many
-from vllm_aio.pool.host_pool import SLOT_STORED, BlockGroups, SharedHostPool, namespace_groups, slots_for, value_ids
+from vllm_aio.pool.host_pool import SLOT_STORED, SharedHostPool, slots_for
+from vllm_aio.pool.ids import BlockGroups, ValueIds, key_groups, key_ids, namespace_groups, value_ids
 from vllm_aio.pool.keys import BlockParts
 
 # A put's statuses, as codes into this array: picked for a whole batch with numpy.
@@ -47,6 +52,7 @@ class LocalBackend(Backend):
 
     def __init__(self, name: str, pool_bytes: int, value_bytes: int, seal: bool, shared: bool = False) -> None:
         self.pool = SharedHostPool(name, value_bytes, slots_for(pool_bytes, value_bytes))
+        self._slots = PoolSlots(self.pool)
         self._pool_bytes = pool_bytes
         self._shared = shared
         self._closed = False
@@ -61,17 +67,25 @@ class LocalBackend(Backend):
         self._check_open()
         return PoolWatch(self.pool)
 
+    def gauges(self) -> dict[str, float]:
+        """The pool's fill and its evictions since it was created (by every process attached)."""
+        if self._closed:
+            return {}
+        usage = self.pool.usage()
+        return {"pool_used_bytes": float(usage.bytes_used), "pool_capacity_bytes": float(usage.capacity_bytes),
+                "pool_stored_values": float(usage.num_ready), "pool_evicted_values": float(usage.evictions)}
+
     def describe(self) -> str:
         return f"pool={self.pool.name} size={self._pool_bytes / 2**30:.2f}GiB"
 
-    def slots(self) -> SharedHostPool:
-        """The pool's slots, for device kernels that copy straight from and to them."""
+    def slots(self) -> "PoolSlots":
+        """The pool's slots, for device kernels that copy straight from and to them (and migrations)."""
         self._check_open()
-        return self.pool
+        return self._slots
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
-        return self.pool.contains(keys)
+        return self._slots.contains(keys)
 
     def count_complete_blocks(self, parts: BlockParts, hashes: Sequence[bytes]) -> int:
         self._check_open()
@@ -81,7 +95,7 @@ class LocalBackend(Backend):
     def lease_blocks(self, parts: BlockParts, hashes: Sequence[bytes], seconds: float) -> None:
         self._check_open()
         ids = [value_ids(parts.namespace_digest, shard, tag, hashes) for shard in parts.shards for tag in parts.tags]
-        self.pool.lease_ids(np.concatenate([i.hi for i in ids]), np.concatenate([i.lo for i in ids]), seconds)
+        self.pool.lease_ids(ValueIds.concat(ids), seconds)
 
     def presence_epoch(self) -> int:
         self._check_open()
@@ -93,7 +107,7 @@ class LocalBackend(Backend):
 
     def _put_distinct(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]], retention: int) -> list[Status]:
         values = FlatSegments.of(segments)
-        slots = self.pool.reserve_array(keys, retention)
+        slots = self._slots.reserve_array(keys, retention)
         reserved = slots >= 0
         fits = values.totals() == self.pool.slot_size
         misfits = slots[reserved & ~fits]
@@ -121,7 +135,7 @@ class LocalBackend(Backend):
         fits = (values.totals() == self.pool.slot_size).tolist()
         out: list[Status] = []
         copied: list[tuple[int, int, int]] = []  # (position in `keys`, slot, version)
-        for i, pinned in enumerate(self.pool.pin_for_read(keys)):
+        for i, pinned in enumerate(self._slots.pin_for_read(keys)):
             if pinned is None:
                 out.append(Status.MISSING)
             elif not fits[i]:
@@ -146,6 +160,76 @@ class LocalBackend(Backend):
     def _check_open(self) -> None:
         if self._closed:  # the pool's mapping and lock are gone
             raise RuntimeError("LocalBackend is closed")
+
+
+class PoolSlots:
+    """The embedded pool's values named by string key or by block hash (``SlotStore``, ``KeyedSlotStore``).
+
+    A key or hash becomes its value's id once per call (``pool/ids.py``); the
+    slot a reserve hands out remembers it, so a commit takes only slots.
+    """
+
+    def __init__(self, pool: SharedHostPool) -> None:
+        self.pool = pool
+
+    @property
+    def slot_size(self) -> int:
+        return self.pool.slot_size
+
+    def region(self) -> tuple[int, int]:
+        return self.pool.region()
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Presence of each key; a hit refreshes its LRU position."""
+        return [pin is not None for pin in self.pin_for_read(keys)]
+
+    def pin_for_read(self, keys: Sequence[str]) -> list[tuple[int, int] | None]:
+        """Per key: (slot, version) to copy from and recheck (``still_valid``), or None if absent."""
+        if not keys:
+            return []
+        slots, versions = self.pool.pin_ids(key_ids(keys))
+        return [None if slot < 0 else (slot, version) for slot, version in zip(slots.tolist(), versions.tolist())]
+
+    def pin_blocks(
+        self, namespace_digest: str, shard: str, tag: int | None, hashes: Sequence[bytes]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``pin_for_read`` of the block keys of ``hashes``, without building them:
+        (slots, versions), slot -1 if absent."""
+        return self.pool.pin_ids(value_ids(namespace_digest, shard, tag, hashes))
+
+    def still_valid(self, slot: int, version: int) -> bool:
+        return self.pool.still_valid(slot, version)
+
+    def unchanged(self, slots: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        return self.pool.unchanged(slots, versions)
+
+    def reserve(self, keys: Sequence[str], retention: int = 0) -> list[int | None]:
+        """Per key: a WRITING slot to fill, or None if already stored; -1 if no room."""
+        return [None if slot == SLOT_STORED else slot for slot in self.reserve_array(keys, retention).tolist()]
+
+    def reserve_array(self, keys: Sequence[str], retention: int = 0) -> np.ndarray:
+        """``reserve`` answered as ``reserve_blocks`` is: an array, ``SLOT_STORED`` for None."""
+        return self.pool.reserve_ids(key_ids(keys), key_groups(keys), retention)
+
+    def reserve_blocks(
+        self, namespace_digest: str, shard: str, tag: int | None, hashes: Sequence[bytes], retention: int = 0
+    ) -> np.ndarray:
+        """``reserve`` of the block keys of ``hashes``, without building them (as ``pin_blocks``):
+        per hash a slot, ``SLOT_STORED`` if stored already, ``SLOT_NO_ROOM`` if there is no room."""
+        ids = value_ids(namespace_digest, shard, tag, hashes)
+        return self.pool.reserve_ids(ids, namespace_groups(namespace_digest, tag is not None, hashes), retention)
+
+    def commit(self, slots: Sequence[int] | np.ndarray) -> list[bool]:
+        return self.pool.commit(slots)
+
+    def abandon(self, slots: Sequence[int] | np.ndarray) -> None:
+        self.pool.abandon(slots)
+
+    def read_headers(self, slots: Sequence[int], length: int) -> list[bytes]:
+        return self.pool.read_headers(slots, length)
+
+    def writing_slots(self) -> int:
+        return self.pool.writing_slots()
 
 
 class PoolWatch:

@@ -206,6 +206,10 @@ class TieredBackend(Backend):
             counts, self._counts = dict(self._counts), Counter()
         return counts
 
+    def gauges(self) -> dict[str, float]:
+        """The local tier's: the remote store is shared and reports its own fill."""
+        return self.local.gauges()
+
     def close(self) -> None:
         """Queued background writes first (up to ``_CLOSE_TIMEOUT``), as they read the local
         tier and write the remote one; then both tiers."""

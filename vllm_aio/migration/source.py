@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from vllm_aio.backends.base import Backend, SlotStore
+from vllm_aio.backends.base import Backend, KeyedSlotStore
 from vllm_aio.migration.flushes import FlushRequests
 from vllm_aio.migration.target import MigrationRefused
 from vllm_aio.pool.keys import BlockParts
@@ -65,7 +65,7 @@ def flush(flushes: FlushRequests, backend: Backend, parts: BlockParts, hashes: S
         flushes.forget(hashes[-1])
 
 
-def spans(store: SlotStore, parts: BlockParts, hashes: Sequence[bytes], remote_slots: Sequence[Sequence[int]],
+def spans(store: KeyedSlotStore, parts: BlockParts, hashes: Sequence[bytes], remote_slots: Sequence[Sequence[int]],
           remote_base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(local addresses, remote addresses, pinned slots, their versions) of every part the target reserved.
 

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from vllm_aio.backends.base import SlotStore
+from vllm_aio.backends.base import KeyedSlotStore
 from vllm_aio.log import get_logger
 
 logger = get_logger(__name__)
@@ -71,7 +71,7 @@ class _Reservation:
 class MigrationTarget:
     """Reservations of one instance's pool, by migration id, with their watchdog thread."""
 
-    def __init__(self, store: SlotStore, timeout: float, grace: float,
+    def __init__(self, store: KeyedSlotStore, timeout: float, grace: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._store = store
         self.timeout = timeout

@@ -15,21 +15,19 @@ Both tables delete by backward shift, so a probe stops at the first empty
 bucket and no tombstone ever piles up. The callers hold the pool's lock.
 
 ``mixed_ids`` turns block hashes into the two 64-bit ids that both tables
-are keyed by.
+are keyed by (``ids.py``).
 
 Why compiled: a commit, and in a full pool every save's eviction, touched
-both tables once per key, and in Python that cost ~10 us a value, more than
-copying a 64 KiB value takes; mixing a 64-block prompt's ids in numpy took
-50 us, 160 us in a busy engine. The loops are numba-compiled on first call and
-cached on disk as ``host_copy.py``'s are. They keep the GIL: they run under the
-pool's lock, and a call that released it waited to get it back while another
-thread of the process ran Python (~1 ms a lookup of 64 blocks beside a busy
-thread, against 3 us), holding the lock that every other process waits for.
-Measured on a 2-core VM with other work running: compiling every function
-here took 2.6-3.2 s in all (the first reserve, commit and eviction of a
-process), loading them from the cache 0.3-0.4 s.
-numba's ``np.partition`` alone took 7.7 s to compile, so eviction's
-selection stays numpy's (``SharedHostPool._evict``).
+both tables once per key, and in Python that cost more a value than copying
+the value takes; mixing a prompt's ids in numpy cost more than the lookup
+itself. The loops are numba-compiled on first call and cached on disk as
+``host_copy.py``'s are. They keep the GIL: they run under the pool's lock,
+and a call that released it waited to get it back while another thread of
+the process ran Python, holding the lock that every other process waits for.
+Compiling every function here costs seconds once per machine (the first
+reserve, commit and eviction of a process); later processes load them from
+the cache. numba's ``np.partition`` alone took longer to compile than all the
+rest, so eviction's selection stays numpy's (``SharedHostPool._evict``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``vllm-aio pool``: the embedded pools of this host, looked at without disturbing them.
 
-Listing and stats read each pool through a read-only mapping (``host_pool.snapshot``):
+Listing and stats read each pool through a read-only mapping (``snapshot``):
 no lock, no entry in its pid table, no LRU refresh, so a running instance
 never waits for them. Only pools shared by name (``local_pool_name``) stay in
 /dev/shm while in use; a private pool's file is unlinked once its instance has
@@ -17,14 +17,71 @@ to detach would.
 
 from __future__ import annotations
 
+import mmap
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
+
 from vllm_aio.pool.entry import NAMESPACE_PREFIX_BYTES, namespace_of, namespace_prefix
-from vllm_aio.pool.host_pool import PoolSnapshot, SharedHostPool, names_on_host, pool_path, snapshot
+from vllm_aio.pool.host_pool import SharedHostPool
+from vllm_aio.pool.index_ops import READY, WRITING
+from vllm_aio.pool.layout import H_FIELDS, H_NUM_SLOTS, H_SLOT_SIZE, Layout, PoolUsage, attach_problem, usage_of
+from vllm_aio.pool.shm_file import names_on_host, open_private, pid_alive, pool_path
 
 _NAMESPACE = re.compile(r"[0-9a-f]{16}")
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """A pool read without its lock: each field exact, together roughly one moment."""
+
+    usage: PoolUsage
+    file_bytes: int
+    writing: int  # slots being written or reserved
+    pids: tuple[int, ...]  # attached processes alive now
+    dead_pids: int  # attached processes that died without detaching
+    prefixes: np.ndarray  # (READY values, prefix bytes): the first bytes of each stored value
+
+
+def snapshot(name: str, prefix_bytes: int = 0) -> PoolSnapshot:
+    """Read pool ``name`` through a read-only mapping: no lock, no pid entry, no LRU refresh.
+
+    Raises FileNotFoundError if there is no such pool, RuntimeError if the
+    file is not a pool of this version or not private to this user.
+    """
+    path = pool_path(name)
+    fd = open_private(path, os.O_RDONLY)
+    try:
+        raw = os.pread(fd, 8 * H_FIELDS, 0)
+        head = np.frombuffer(raw[: len(raw) // 8 * 8], dtype=np.int64)
+        problem = attach_problem(path, name, head, int(head[H_SLOT_SIZE]) if len(head) == H_FIELDS else 0)
+        if problem:
+            raise RuntimeError(problem)
+        layout = Layout(int(head[H_SLOT_SIZE]), int(head[H_NUM_SLOTS]))
+        if os.fstat(fd).st_size < layout.file_bytes:
+            raise RuntimeError(f"{path} is shorter than its header says: not a whole pool")
+        mm = mmap.mmap(fd, layout.file_bytes, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    offsets = layout.offsets()
+
+    def view(region: str) -> np.ndarray:
+        offset, count, dtype = offsets[region]
+        return np.frombuffer(mm, dtype=dtype, count=count, offset=offset)
+
+    try:
+        header, state = view("header").copy(), view("state").copy()
+        ready = np.flatnonzero(state == READY)
+        prefixes = view("data").reshape(layout.num_slots, layout.slot_size)[ready, :prefix_bytes]  # a copy
+    finally:
+        mm.close()  # the views above are gone or copied
+    pids = [int(p) for p in header[H_FIELDS:] if p]
+    alive = tuple(p for p in pids if pid_alive(p))
+    return PoolSnapshot(usage_of(header), layout.file_bytes, int(np.count_nonzero(state == WRITING)), alive,
+                        len(pids) - len(alive), prefixes)
 
 
 @dataclass(frozen=True)
