@@ -84,7 +84,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_aio.backends import Status  # noqa: E402
 from vllm_aio.backends.local import LocalBackend  # noqa: E402
-from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff, open_block_io  # noqa: E402
+from vllm_aio.connector.block_io import (  # noqa: E402
+    BlockIO, BlockRef, CopyHandoff, HostCachePath, StagedPath, ValueLabels, open_block_io,
+)
 from vllm_aio.connector.block_layout import BlockLayout  # noqa: E402
 from vllm_aio.connector.staging import StagingBuffer  # noqa: E402
 from vllm_aio.device import Device  # noqa: E402
@@ -171,8 +173,9 @@ class Bench:
             direct = open_block_io(self.caches, self.names, self.num_blocks, backend, header(self.m.block_size),
                                    self.max_bytes, 30.0)
             device = Device(dev)
-            io = BlockIO(self.layout, backend, header(self.m.block_size), StagingBuffer(device, self.max_bytes),
-                         StagingBuffer(device, self.max_bytes), 30.0)  # the staged path, forced
+            staged = HostCachePath if device.is_host else StagedPath  # the path without slots, forced
+            io = staged(ValueLabels(header(self.m.block_size), self.layout), device, self.layout, backend,
+                        StagingBuffer(device, self.max_bytes), StagingBuffer(device, self.max_bytes), 30.0)
             pool = backend.pool
             pool._data[:] = 0  # pre-fault every page of the pool (internal view; untimed)
             host_rows = [[(self.host_a.data_ptr() + i * value, value)] for i in range(n)]

@@ -5,8 +5,8 @@ A stored value holds a block's bytes of one layer or of every layer
 own region of the layer's cache tensor. Moving a batch with torch's index
 kernels takes one launch per plane (two for a gather: ``index_select``, then
 the copy into the row), 128 launches for a whole-block value of a 32-layer
-model: ~1.2 ms of host time per batch on an H200 host, which kept the direct
-save of 64 whole blocks at 40% of the link. The planes' addresses go to the
+model: enough host time per batch to keep the direct save well below the
+link's rate. The planes' addresses go to the
 kernel as one table instead, and one launch moves every (block, plane) pair.
 
 Device memory on both sides (the cache, a scratch or staging on the device):
@@ -25,7 +25,7 @@ import torch
 # Words (int64) one program moves per access.
 BLOCK = 1024
 # Batches of fewer planes (a layerwise value: K and V of one layer) stay with torch's index kernels:
-# on the H200 host one Triton launch cost more than their two to four launches.
+# one Triton launch costs the host more than their two to four launches.
 MIN_PLANES = 8
 
 

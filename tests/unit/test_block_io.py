@@ -1,11 +1,11 @@
-"""``BlockIO`` over the real embedded pool, on the CPU and, where present, an accelerator.
+"""``BlockIO``'s three paths over the real embedded pool, on the CPU and, where present, an accelerator.
 
-On an accelerator the KV cache lives in device memory and a value either
-passes through page-locked staging or moves straight between the pool's slots
-and the cache (``mapped_slots.py``); each case runs both paths. The direct
-path runs on the CPU too (the pool's memory is its own mapping there), so its
-logic is checked without a GPU; on a GPU machine run
-``python -m pytest tests/test_block_io.py``.
+Each case runs on every path the device has: on the CPU the host cache path
+(the backend copies into and out of the cache) and the direct path (the
+pool's memory is its own mapping there, so its logic is checked without a
+GPU); on an accelerator the staged path (page-locked staging) and the direct
+path (``mapped_slots.py``). On a GPU machine run
+``python -m pytest tests/unit/test_block_io.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from devices import CUDA, marks
 
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
-from vllm_aio.connector.block_io import BlockIO, BlockRef, CopyHandoff
+from vllm_aio.connector.block_io import (
+    BlockIO, BlockRef, CopyHandoff, DirectPath, HostCachePath, StagedPath, ValueLabels, open_block_io,
+)
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.connector.mapped_slots import MappedSlots
 from vllm_aio.connector.staging import StagingBuffer
@@ -46,9 +48,13 @@ def make_io(
     value = HEADER_BYTES + layout.payload_bytes(EVERY_LAYER.layers)
     backend = backend or LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, value, seal=True)
     header = EntryHeader("0123456789abcdef", shard, -1, 16, 0)
-    slots = MappedSlots.open(backend.slots(), layout, dev) if direct else None
-    assert slots is not None or not direct
-    io = BlockIO(layout, backend, header, StagingBuffer(dev, staging), StagingBuffer(dev, staging), 5.0, slots)
+    labels = ValueLabels(header, layout)
+    if direct:
+        slots = MappedSlots.open(backend.slots(), layout, dev)
+        assert slots is not None
+        return DirectPath(labels, dev, slots), caches, backend
+    path = HostCachePath if dev.is_host else StagedPath
+    io = path(labels, dev, layout, backend, StagingBuffer(dev, staging), StagingBuffer(dev, staging), 5.0)
     return io, caches, backend
 
 
@@ -123,11 +129,11 @@ def test_abandoned_save_is_never_put():
 
 
 def test_batch_larger_than_the_staging_buffer_moves_chunk_by_chunk(device_and_shape, monkeypatch):
-    from vllm_aio.connector import block_io
+    from vllm_aio.connector.block_io import base
 
     device, shape = device_and_shape
     value = make_io(device, shape, None, seed=1)[0].value_bytes(EVERY_LAYER)
-    monkeypatch.setattr(block_io, "_CHUNK_BYTES", 2 * value)  # chunks of two values
+    monkeypatch.setattr(base, "_CHUNK_BYTES", 2 * value)  # chunks of two values
     saver, src, backend = make_io(device, shape, None, seed=1, staging=3 * value)  # one chunk at a time
     assert saver.save(refs(range(8)), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK] * 8
     loader, dst, _ = make_io(device, shape, backend, seed=2, staging=3 * value)
@@ -145,9 +151,9 @@ def test_save_without_staging_space_is_skipped_not_blocked():
 
 
 def test_batches_split_into_chunks_keep_every_block_and_every_status(device_and_shape, monkeypatch):
-    from vllm_aio.connector import block_io
+    from vllm_aio.connector.block_io import base
 
-    monkeypatch.setattr(block_io, "_CHUNK_BYTES", 1)  # one value per chunk
+    monkeypatch.setattr(base, "_CHUNK_BYTES", 1)  # one value per chunk
     device, shape = device_and_shape
     saver, src, backend = make_io(device, shape, None, seed=1)
     assert saver.save(refs([3, 7, 1, 2]), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK] * 4
@@ -280,3 +286,33 @@ def test_renamed_io_keys_saves_and_loads_under_the_new_namespace(device_and_shap
     assert loaded(saver, refs([5]), EVERY_LAYER) == [Status.MISSING]
     assert saver.save(refs([3]), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK]
     assert loaded(saver, refs([5]), EVERY_LAYER) == [Status.OK]
+
+
+class WithoutSlots(LocalBackend):
+    """The embedded pool hiding its slots: a backend the device cannot map, as Mooncake and Memcache are."""
+
+    def slots(self):
+        return None
+
+
+def opened(device: str, backend: LocalBackend) -> BlockIO:
+    caches = {n: torch.zeros(SHAPES["kv_split"], dtype=torch.bfloat16, device=device) for n in LAYERS}
+    header = EntryHeader("0123456789abcdef", "pp0.dcp0.h0", -1, 16, 0)
+    return open_block_io(caches, LAYERS, NUM_BLOCKS, backend, header, 1 << 20, 5.0)
+
+
+@pytest.mark.parametrize("device", ["cpu", *CUDA])
+def test_open_block_io_moves_values_through_the_pools_slots_where_the_device_maps_them(device):
+    io = opened(device, LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, 1 << 16, seal=True))
+    assert isinstance(io, DirectPath) and io.direct
+
+
+def test_open_block_io_without_slots_copies_into_a_host_cache_in_place():
+    io = opened("cpu", WithoutSlots(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, 1 << 16, seal=True))
+    assert isinstance(io, HostCachePath) and not io.direct
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_open_block_io_without_slots_stages_values_for_a_device_cache(device):
+    io = opened(device, WithoutSlots(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, 1 << 16, seal=True))
+    assert isinstance(io, StagedPath) and not io.direct

@@ -18,20 +18,17 @@ its hybrid models split a block into 128-token kernel blocks
 A plane is exposed twice: as addresses (``segments``), for backends that copy
 straight from host memory, and as a ``[num_blocks, bytes]`` byte tensor on the
 cache's device, for batched gathers and scatters (never one copy per block:
-per-block copies used a fifth of an H200's PCIe link). On CUDA one kernel
+per-block copies left most of the link idle). On CUDA one kernel
 moves a batch's every plane (``plane_copy.py``); elsewhere one index op per
 plane and batch.
 
 ``gather_planes`` and ``scatter_planes`` are the host fast paths (the dynamic
 buffer's host copy): one ``host_copy.copy_rows`` per plane, straight into the
 destination, on the copy threads. ``gather`` allocates ``index_select``'s
-result and copies it again (~2.5 GB/s on the H200 host; 1.3 GB/s on a dev
-box where numpy's take reaches 5.7-6.6 GB/s on one thread), and
-``index_copy_`` on the CPU copies element by element (1.1 GB/s there against
-8.6-10.5 GB/s for numpy's fancy assignment). ``copy_rows`` copies as fast as
-numpy's take and fancy assignment did (12-31 GB/s either way on a 2-core VM,
-1-32 MiB per call) and takes strided planes as they are, where numpy's take
-first copied the whole plane.
+result and copies it again, and ``index_copy_`` on the CPU copies element by
+element: both well below numpy's take and fancy assignment. ``copy_rows``
+copies as fast as those did and takes strided planes as they are, where
+numpy's take first copied the whole plane (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations

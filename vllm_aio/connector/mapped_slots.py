@@ -191,9 +191,8 @@ class _KernelCopies:
     runs (a batch saved together got consecutive slots) moves by DMA, one
     copy per run, on the copy engines; scattered slots move with one gather
     or scatter kernel (``Device.copy_rows``). torch's index kernels reading
-    host memory held every SM for as long as the link took: on the H200 the
-    layerwise pipeline ran the forward and them one after the other (1.5-2x
-    the ideal); ``copy_rows`` runs a few programs that leave the SMs to the
+    host memory held every SM for as long as the link took, so the layerwise
+    pipeline ran the forward and them one after the other; ``copy_rows`` runs a few programs that leave the SMs to the
     forward (``link_copy.py``), and DMA none. The scratch <-> paged cache part
     is always a kernel (device memory only, short).
     """
@@ -208,8 +207,7 @@ class _KernelCopies:
         self._scatter_stream = device.new_stream()
         # Saves write the slots on a stream of their own, so the next piece's
         # gather out of the cache (device memory) overlaps this one's write
-        # across the link: on the H200 they ran one after the other, 2.5 + 10.6 ms
-        # for 256 whole blocks.
+        # across the link instead of running after it.
         self._write_stream = device.new_stream()
 
     def to_cache(self, slots: np.ndarray, plan: LoadPlan, layers: Sequence[int]) -> torch.Event:
@@ -296,8 +294,8 @@ class _HostCopies:
             raise IndexError(f"block ids outside [0, {self._layout.num_blocks})")
 
 
-# A DMA pays where it moves at least this much at once: on the H200 one copy per
-# value ran 5 GB/s for 64 KiB values and 49 GB/s for 2 MiB ones (issue 12).
+# A DMA pays where it moves at least this much at once: one copy per small value
+# runs far below the link's rate (issue 12).
 _MIN_DMA_BYTES = 2 << 20
 # More copies than this per batch cost the host more than a kernel launch.
 _MAX_DMA_RUNS = 64
@@ -325,6 +323,6 @@ def _keep_until_done(*tensors: torch.Tensor, stream: torch.Stream | None) -> Non
 
 def _host_rows(store: SlotStore) -> np.ndarray:
     """The slots as a numpy ``[slots, slot_size]`` view (torch's fancy indexing of so large a
-    view took 5 ms to read 256 headers, numpy's microseconds)."""
+    view reads a batch's headers orders of magnitude slower than numpy's)."""
     address, nbytes = store.region()
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address)).reshape(-1, store.slot_size)

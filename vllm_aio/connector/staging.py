@@ -107,7 +107,6 @@ class StagingBuffer:
         return self._head if self._head + nbytes <= tail else None  # free: [head, tail)
 
 
-
 def even_ranges(n: int, max_rows: int) -> list[tuple[int, int]]:
     """[start, end) ranges covering ``n`` rows in as few pieces of at most ``max_rows`` as possible,
     their sizes differing by at most one (a batch moved through staging piece by piece)."""

@@ -1,0 +1,102 @@
+"""The staged path: an accelerator's KV cache and a pool without mapped slots (Mooncake, Memcache).
+
+Loads (receiving thread, or the forward thread for synchronous loads): the
+backend copies whole values into page-locked staging; the headers are
+checked there, then one host-to-device copy and one on-device scatter per
+plane move the accepted blocks, on the transfer stream. The caller gets the
+stream's event and makes the compute stream wait on it; nobody blocks on the
+copy.
+
+Saves (sending thread): an on-device gather after the compute stream's event
+for that layer, then a device-to-host copy into staging, from where the pool
+put runs (``staging_save.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vllm_aio.backends import Backend, Status
+from vllm_aio.connector.block_io.base import BlockIO, CopyHandoff, Loaded, chunks
+from vllm_aio.connector.block_io.blocks import BlockRef, DistinctBlocks
+from vllm_aio.connector.block_io.labels import ValueLabels, check_headers
+from vllm_aio.connector.block_io.staging_save import Copied, StagingSave
+from vllm_aio.connector.block_layout import BlockLayout
+from vllm_aio.connector.staging import Slice, StagingBuffer
+from vllm_aio.device import Device
+from vllm_aio.pool.entry import HEADER_BYTES
+from vllm_aio.pool.keys import Unit
+
+
+class StagedPath(BlockIO):
+    def __init__(
+        self, labels: ValueLabels, device: Device, layout: BlockLayout, backend: Backend,
+        load_staging: StagingBuffer, save_staging: StagingBuffer, timeout: float,
+    ) -> None:
+        super().__init__(labels, device)
+        self._layout = layout
+        self._backend = backend
+        self._loads = load_staging
+        self._timeout = timeout
+        self._stream = device.new_stream()
+        self._saves = StagingSave(backend, save_staging, timeout, self._copy_out)
+
+    def _load(self, batch: DistinctBlocks, unit: Unit, labels: ValueLabels) -> Loaded:
+        statuses: list[Status] = []
+        event = None
+        value = labels.value_bytes(unit)
+        for start, end in chunks(len(batch.firsts), value):
+            piece = self._loads.allocate((end - start) * value, self._timeout)
+            if piece is None:  # no staging within the timeout
+                statuses += [Status.ERROR] * (end - start)
+                continue
+            try:
+                got, event = self._load_chunk(
+                    batch.firsts[start:end], batch.targets[start:end], unit, labels, piece, event
+                )
+                statuses += got
+            finally:
+                self._loads.release(piece, after=event)
+        return Loaded(batch.spread(statuses), event)
+
+    def _load_chunk(
+        self, blocks: Sequence[BlockRef], targets: Sequence[list[int]], unit: Unit, labels: ValueLabels,
+        piece: Slice, event: torch.Event | None,
+    ) -> tuple[list[Status], torch.Event | None]:
+        n, value = len(blocks), labels.value_bytes(unit)
+        rows = piece.tensor.view(n, value)
+        segments = [[(piece.address + i * value, value)] for i in range(n)]
+        statuses = self._backend.batch_get(labels.keys(blocks, unit), segments)
+        statuses = check_headers(rows[:, :HEADER_BYTES], labels.headers(blocks, unit), statuses)
+        # One row per destination block: a value shared by several blocks is
+        # repeated on the device, not read from the pool again.
+        picks = [(i, dst) for i, s in enumerate(statuses) if s is Status.OK for dst in targets[i]]
+        if not picks:
+            return statuses, event
+        row_of, ids = zip(*picks)
+        with self.device.on(self._stream):
+            scratch = self.device.empty(rows.numel()).view(n, value)
+            scratch.copy_(rows, non_blocking=True)
+            if list(row_of) != list(range(n)):
+                scratch = scratch.index_select(0, self.device.indices(list(row_of)))
+            self._layout.scatter(scratch[:, HEADER_BYTES:], self.device.indices(list(ids)), unit.layers)
+            return statuses, self.device.record(self._stream)
+
+    def _save(
+        self, blocks: Sequence[BlockRef], unit: Unit, labels: ValueLabels, computed: torch.Event | None,
+        handoff: CopyHandoff, retention: int,
+    ) -> list[Status]:
+        return self._saves.save(blocks, unit, labels, computed, handoff, retention)
+
+    def _copy_out(self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, piece: Slice) -> Copied:
+        rows = piece.tensor.view(len(blocks), -1)
+        with self.device.on(self._stream):
+            self.device.wait(computed, self._stream)
+            scratch = self.device.empty(rows.numel()).view(rows.shape)
+            self._layout.gather(self.device.indices([b.block_id for b in blocks]), unit.layers,
+                                scratch[:, HEADER_BYTES:])
+            gathered = self.device.record(self._stream)
+            rows.copy_(scratch, non_blocking=True)
+            return Copied(blocks, unit, piece, gathered, self.device.record(self._stream))
