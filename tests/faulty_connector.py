@@ -32,7 +32,7 @@ import numpy as np
 
 from vllm_aio.backends import Status
 from vllm_aio.connector import AioConnector
-from vllm_aio.connector.layer_buffer import BufferHooks
+from vllm_aio.buffer.layer_buffer import BufferHooks
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.host_pool import READY
 

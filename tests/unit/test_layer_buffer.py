@@ -18,9 +18,9 @@ from devices import CUDA, params
 from test_device import registered
 
 from vllm_aio import host_copy
-from vllm_aio.buffer_plan import private_blocks
+from vllm_aio.buffer.plan import private_blocks
 from vllm_aio.connector.block_layout import BlockLayout
-from vllm_aio.connector.layer_buffer import LayerBuffer, _even_chunks, _runs
+from vllm_aio.buffer.layer_buffer import LayerBuffer, _even_chunks, _runs
 from vllm_aio.connector.metadata import BufferStep
 
 NUM_BLOCKS, PAGE = 24, (2, 16, 32)  # [blocks, K/V, tokens, channels]
@@ -327,7 +327,7 @@ def test_pinned_blocks_need_the_remap():
 
 def test_attention_backends_that_read_blocks_elsewhere_are_refused():
     from vllm_aio.config import ConfigError
-    from vllm_aio.connector.block_remap import check_backends
+    from vllm_aio.buffer.remap import check_backends
 
     check_backends({"layer.0": "CPU_ATTN", "layer.1": "FLASH_ATTN"})
     with pytest.raises(ConfigError, match="attention backend FLASHINFER is not supported; it needs one of CPU_ATTN"):

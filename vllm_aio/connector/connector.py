@@ -104,7 +104,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm.config import get_layers_from_vllm_config
             from vllm.model_executor.layers.attention.attention import Attention
 
-            from vllm_aio.connector.block_remap import check_backends
+            from vllm_aio.buffer.remap import check_backends
 
             layers = get_layers_from_vllm_config(self._vllm_config, Attention, kv_caches)
             check_backends({name: layer.get_attn_backend().get_name() for name, layer in layers.items()})

@@ -31,7 +31,7 @@ from vllm_aio.connector.block_io import BlockIO, open_block_io
 from vllm_aio.connector.block_layout import LayerCache, check_groups_alias
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.events import SavedParts, SettledSaves
-from vllm_aio.connector.layer_buffer import BufferHooks, LayerBuffer, NoBuffer
+from vllm_aio.buffer.layer_buffer import BufferHooks, LayerBuffer, NoBuffer
 from vllm_aio.connector.loads import BeforeBuffer, BeforeForward, InBackground, Layerwise, LoadReport, Loads
 from vllm_aio.connector.metadata import AioConnectorMetadata
 from vllm_aio.connector.saves import LayerwiseSaves, Saves, WholeBlockSaves

@@ -88,9 +88,9 @@ from functools import partial
 import numpy as np
 import torch
 
-from vllm_aio.buffer_plan import private_blocks
+from vllm_aio.buffer.plan import private_blocks
 from vllm_aio.connector.block_layout import BlockLayout
-from vllm_aio.connector.block_remap import BlockRemap
+from vllm_aio.buffer.remap import BlockRemap
 from vllm_aio.connector.metadata import AioConnectorMetadata, BufferStep
 from vllm_aio.connector.staging import Slice, StagingBuffer, even_ranges
 from vllm_aio.device import Device, HostMemory
