@@ -91,6 +91,7 @@ import torch
 from vllm_aio.buffer.plan import private_blocks
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.buffer.remap import BlockRemap
+from vllm_aio.buffer.swaps import RowSwaps
 from vllm_aio.connector.metadata import AioConnectorMetadata, BufferStep
 from vllm_aio.connector.staging import Slice, StagingBuffer, even_ranges
 from vllm_aio.device import Device, HostMemory
@@ -200,7 +201,7 @@ class LayerBuffer:
         self._stream = self.device.new_stream()
         self._swaps = None  # the step's scattered blocks, written back and loaded (mapped)
         if self._mapped_layout is not None:
-            self._swaps = self.device.row_swaps(self._mapped_stacks, self._device_stacks, self._stream)
+            self._swaps = RowSwaps(self.device, self._mapped_stacks, self._device_stacks, self._stream)
         self._staging = StagingBuffer(self.device, staging_bytes)
         # A chunk takes at most a quarter of staging, so loads and write-backs of a few layers fit at once.
         self._chunk_blocks = max(1, staging_bytes // (4 * max(self._host_layout.layer_bytes(0), 1)))
