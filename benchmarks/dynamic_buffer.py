@@ -64,7 +64,7 @@ layer records the mean of what it loaded and writes its constant as new KV;
 every loaded mean and every written-back block must equal the layer's constant.
 
 The connector's real code, in the same run (second table): ``vllm_aio S=<n>``
-drives ``vllm_aio.connector.layer_buffer.LayerBuffer`` around the same
+drives ``vllm_aio.buffer.layer_buffer.LayerBuffer`` around the same
 synthetic layer. The device cache is S aliased layer views of one backing
 tensor ``[S, blocks, 2, block_size, kv_heads, head_dim]`` (layer l is view
 l % S, as ``tests/test_layer_buffer.py`` builds it and vLLM's re-planned cache
@@ -133,8 +133,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_aio.buffer_plan import private_blocks  # noqa: E402
-from vllm_aio.connector.layer_buffer import LayerBuffer  # noqa: E402
+from vllm_aio.buffer.plan import private_blocks  # noqa: E402
+from vllm_aio.buffer.layer_buffer import LayerBuffer  # noqa: E402
 from vllm_aio.connector.metadata import BufferStep  # noqa: E402
 from _accel import Accel, copy_bandwidth, timed  # noqa: E402  (benchmarks/ is on sys.path)
 from _model import DTYPE, LLAMA3_8B, TINY, Model, Weights, attend_grouped, finish, project, random_rows  # noqa: E402

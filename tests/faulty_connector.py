@@ -32,7 +32,7 @@ import numpy as np
 
 from vllm_aio.backends import Status
 from vllm_aio.connector import AioConnector
-from vllm_aio.connector.layer_buffer import BufferHooks
+from vllm_aio.buffer.participant import BufferHooks
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.host_pool import READY
 
@@ -141,5 +141,6 @@ class FaultyAioConnector(AioConnector):
         hooks = self._worker._buffer
         if os.environ["AIO_FAULT"] == "skip_buffer_load" and isinstance(hooks, BufferHooks):
             # A negative control has to break the buffer from inside: its layer load.
-            load = hooks.buffer._load
-            hooks.buffer._load = lambda layer: None if layer == 3 else load(layer)
+            copier = hooks.buffer._copier
+            load = copier._load
+            copier._load = lambda layer: None if layer == 3 else load(layer)

@@ -9,22 +9,20 @@ synchronous and streams and events collapse to nothing.
 Transfers run on a side stream so they overlap the forward on the compute
 stream; an ``Event`` recorded after a copy is what the compute stream (or a
 transfer thread) waits on. Host buffers are page-locked on accelerators:
-pageable host-to-device copies ran at 6.5 GB/s on an H200 against 55 GB/s
-pinned.
+pageable host-to-device copies run at a fraction of a pinned copy's speed.
 
 Two ways to get page-locked host memory: ``host_buffer`` (torch's
 ``pin_memory``, for staging rings of a few GiB) and ``host_memory`` (exactly
 the bytes asked for, for large long-lived buffers such as the dynamic
 buffer's host copy of every layer: torch's caching host allocator rounds each
-``pin_memory`` allocation up to a power of two, and an 8.25 GiB host copy
-became 16 GiB, 6.7 s to allocate, on an H200 host).
+``pin_memory`` allocation up to a power of two, which nearly doubles a large
+host copy and the time to allocate it).
 
 ``map_host`` goes further where the device allows it: it maps existing host
 memory (the embedded pool's ``/dev/shm`` slots) into the device's address
 space, so kernels read and write it directly and a batch of scattered slots
-moves in one gather or scatter kernel, with no host memcpy and no staging.
-On an H200 such kernels moved 48-51 GB/s for 8 KiB to 2 MiB slots, against
-55 GB/s for one large pinned copy.
+moves in one gather or scatter kernel, with no host memcpy and no staging,
+close to the speed of one large pinned copy (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -140,7 +138,7 @@ class Device:
         CUDA with Triton: a kernel of a few programs (``link_copy.py``), which
         waits on the link without holding the SMs the forward computes on;
         elsewhere, and for a few rows (whose copy is shorter than a Triton
-        launch's ~70 us of host time), torch's index kernels.
+        launch's host time), torch's index kernels.
         """
         rows = len(dst_index if dst_index is not None else src_index if src_index is not None else src)
         if self.torch_device.type == "cuda" and rows > LINK_COPY_MIN_ROWS and link_copy.available():
@@ -158,11 +156,6 @@ class Device:
         else:
             dst.index_copy_(0, dst_index, rows)
 
-    def row_swaps(self, host: Sequence[torch.Tensor], device: Sequence[torch.Tensor],
-                  stream: torch.Stream | None) -> RowSwaps:
-        """``RowSwaps`` between each layer's ``host[l]`` and ``device[l]`` on ``stream``."""
-        return RowSwaps(self, host, device, stream)
-
     def plane_copies(self, layers: Sequence[Sequence[tuple[int, int, int]]]) -> PlaneCopies | None:
         """One kernel per batch moving blocks of every plane of ``layers`` (each plane: address of
         block 0, bytes between blocks, bytes per block) to or from rows on the device; None where
@@ -176,8 +169,8 @@ class Device:
 
         From page-locked memory: a copy from pageable memory waits for the
         stream's earlier work, so an index tensor made after a batch's first
-        kernel stalled the host until that kernel ended (the H200 runs showed
-        it as several ms per batch). torch's host allocator keeps the
+        kernel stalled the host until that kernel ended (milliseconds per
+        batch). torch's host allocator keeps the
         page-locked source until the copy has run.
         """
         host = torch.as_tensor(values, dtype=torch.int64)
@@ -198,8 +191,8 @@ class HostMemory:
     undefined); garbage collection does it too, so a forgotten release leaks
     nothing. Views of ``tensor`` taken earlier stay valid after ``release``
     (the memory is freed with the last of them), only no longer page-locked.
-    torch's ``is_pinned()`` says False for registered memory (torch 2.11 on
-    an H200), yet copies from it ran asynchronously at 52 GB/s.
+    torch's ``is_pinned()`` says False for registered memory, yet copies
+    from it run asynchronously.
     """
 
     def __init__(
@@ -228,58 +221,6 @@ class HostMemory:
         if self._finalizer is not None:
             self._finalizer()  # runs at most once
         self.tensor = None
-
-
-class RowSwaps:
-    """The rows of a buffer written back and then reloaded, layer by layer: the dynamic buffer's
-    per-layer copy.
-
-    ``host[l]`` and ``device[l]`` are layer ``l``'s ``[planes, blocks, width]`` views, one side
-    possibly mapped host memory (``HostMemory.device_view``). ``plan`` sets a step's rows (one
-    host-to-device copy); ``swap(done, load)`` then copies layer ``done``'s out rows from its device
-    side to its host side, and after them ``load``'s in rows from its host side to its device side,
-    on ``stream``; a row both copied out and in is read before it is overwritten.
-
-    CUDA with Triton: one kernel for both directions and every plane, launched with a few
-    microseconds of host time (``link_copy.SwapLaunches``); elsewhere torch's index kernels, the
-    copy out first.
-    """
-
-    def __init__(self, device: Device, host: Sequence[torch.Tensor], device_side: Sequence[torch.Tensor],
-                 stream: torch.Stream | None) -> None:
-        self._device, self._host, self._device_side, self._stream = device, host, device_side, stream
-        self._launches = None
-        if device.torch_device.type == "cuda" and link_copy.available():
-            with device.on(stream):
-                handle = torch.cuda.current_stream(device.torch_device).cuda_stream
-            self._launches = link_copy.SwapLaunches(host, device_side, handle)
-        self._out_rows = self._in_rows = torch.empty(0, dtype=torch.int64)
-
-    def plan(self, out_rows: np.ndarray, in_rows: np.ndarray) -> None:
-        """The step's rows: out of the buffer (written back), then into it (loaded)."""
-        both = np.union1d(out_rows, in_rows)
-        # Paired for the kernel: row r's block to move out, and in, -1 for none.
-        paired = [np.full(len(both), -1, dtype=np.int64) for _ in range(2)]
-        for pairs, rows in zip(paired, (out_rows, in_rows)):
-            pairs[np.searchsorted(both, rows)] = rows
-        with self._device.on(self._stream):  # ahead of the swaps on that stream
-            flat = self._device.indices(np.concatenate([*paired, out_rows, in_rows]).astype(np.int64))
-        n, n_out = len(both), len(out_rows)
-        self._out_rows, self._in_rows = flat[2 * n : 2 * n + n_out], flat[2 * n + n_out :]
-        if self._launches is not None:
-            self._launches.rows(flat[:n], flat[n : 2 * n], len(out_rows) > 0, len(in_rows) > 0)
-
-    def swap(self, done: int | None, load: int | None) -> None:
-        if self._launches is not None:
-            self._launches.launch(done, load)
-            return
-        with self._device.on(self._stream):
-            if done is not None and self._out_rows.numel():
-                rows = self._out_rows
-                self._host[done].index_copy_(1, rows, self._device_side[done].index_select(1, rows))
-            if load is not None and self._in_rows.numel():
-                rows = self._in_rows
-                self._device_side[load].index_copy_(1, rows, self._host[load].index_select(1, rows))
 
 
 class MappedHost:

@@ -17,15 +17,24 @@ What differs, and what each side does:
 * ``KVCacheTensor.layers`` / ``layer_stride``: 0.32's one-tensor-for-many-layers plan, which the
   dynamic buffer's aliasing needs.
 * ``vllm.v1.metrics.cache_hit_source``: 0.32 labels prefix hits by source; older versions do not.
+* The dynamic buffer (``vllm_aio/buffer/``) reaches further: it patches vLLM's KV cache planner
+  and the engine core's imported copy of it, writes an attribute onto the workers' plan, rewrites
+  the block tables and slot mappings of the attention metadata in place, and launches a compiled
+  Triton kernel through Triton's launcher. All of that is below (``buffer_internals_missing``
+  names what an upgrade took away; the buffer refuses to start then, naming it).
 * Hooks that run at other times there (``start_load_kv`` always before the forward, no
   ``wait_for_save`` on steps without one) need nothing: the worker is correct in either order.
 
-No torch here: the scheduler half imports this module.
+No torch here: the scheduler half imports this module (the buffer's seams import torch, vLLM and
+Triton only when called).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import sys
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from vllm_aio.backends.settings import ConfigError
@@ -121,3 +130,160 @@ def aliases_layers() -> bool:
 def kv_cache_block_copies(scheduler_output: Any) -> list[Any]:
     """Blocks vLLM copies within the cache this step (0.23 has no such copies)."""
     return list(getattr(scheduler_output, "kv_cache_block_copies", None) or [])
+
+
+# ---- the dynamic buffer's reach into vLLM and Triton ---------------------------------------------
+_PLANNER_MODULE = "vllm.v1.core.kv_cache_utils"
+_PLANNER = "get_kv_cache_configs"  # (vllm_config, kv_cache_specs, available_memory) -> [KVCacheConfig]
+_SCHEDULER_VIEW = "generate_scheduler_kv_cache_config"  # ([KVCacheConfig]) -> KVCacheConfig
+_ENGINE_CORE = "vllm.v1.engine.core"  # imports both by name
+_TENSOR_FIELDS = {"size", "layers", "layer_stride", "block_stride", "offset"}
+_CONFIG_FIELDS = {"num_blocks", "kv_cache_tensors", "kv_cache_groups"}
+# Written onto the workers' plans: the blocks per buffer kept out of the scheduler's pool.
+_PRIVATE_ATTR = "vllm_aio_private_blocks"
+_PATCHED = "__wrapped_by_vllm_aio__"
+# The attention backends whose metadata's ``block_table`` and slot mapping are what their kernels read.
+REMAPPABLE_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN")
+
+
+def buffer_internals_missing() -> list[str]:
+    """The vLLM internals the dynamic buffer patches or reads that this vLLM lacks (none: it can run)."""
+    try:
+        utils = importlib.import_module(_PLANNER_MODULE)
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
+    except ImportError as exc:
+        return [f"{exc.name} (import)"]
+    missing = [f"{_PLANNER_MODULE}.{name}" for name in (_PLANNER, _SCHEDULER_VIEW)
+               if not callable(getattr(utils, name, None))]
+    missing += [f"KVCacheTensor.{name}" for name in sorted(_TENSOR_FIELDS - _fields(KVCacheTensor))]
+    missing += [f"KVCacheConfig.{name}" for name in sorted(_CONFIG_FIELDS - _fields(KVCacheConfig))]
+    return missing
+
+
+def require_buffer_internals(setting: str) -> None:
+    """Refuse ``setting`` at start where this vLLM lacks an internal the buffer needs, naming it."""
+    missing = buffer_internals_missing()
+    if missing:
+        raise ConfigError(
+            f"{setting}: the dynamic buffer needs vLLM internals this vLLM {vllm_version()} lacks: "
+            f"{', '.join(missing)} (vllm_aio/vllm_compat.py is where they are adapted)"
+        )
+
+
+def patch_kv_cache_planner(wrap_planner: Callable[[Callable], Callable],
+                           wrap_scheduler_view: Callable[[Callable], Callable]) -> bool:
+    """Replace vLLM's KV cache planner and its scheduler view with ``wrap_*(original)``, in
+    ``kv_cache_utils`` and in the engine core's copies where it is imported already. Once per
+    process (vLLM may load plugins again); False, patching nothing, where an internal is missing
+    (the buffer refuses to start then, ``require_buffer_internals``)."""
+    if buffer_internals_missing():
+        return False
+    utils = importlib.import_module(_PLANNER_MODULE)
+    if getattr(getattr(utils, _PLANNER), _PATCHED, False):
+        return True
+    for name, wrap in ((_PLANNER, wrap_planner), (_SCHEDULER_VIEW, wrap_scheduler_view)):
+        patched = wrap(getattr(utils, name))
+        setattr(patched, _PATCHED, True)
+        setattr(utils, name, patched)
+        core = sys.modules.get(_ENGINE_CORE)
+        if core is not None and hasattr(core, name):
+            setattr(core, name, patched)
+    return True
+
+
+def kv_cache_tensor(size: int, layer: str, layer_stride: int, block_stride: int, offset: int) -> Any:
+    """One layer's ``KVCacheTensor`` at ``offset`` of a backing allocation of ``size`` bytes."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    return KVCacheTensor(size=size, layers=[layer], layer_stride=layer_stride, block_stride=block_stride,
+                         offset=offset)
+
+
+def with_kv_cache_tensors(kv_cache_config: Any, tensors: list[Any]) -> Any:
+    return dataclasses.replace(kv_cache_config, kv_cache_tensors=tensors)
+
+
+def set_private_blocks(kv_cache_config: Any, blocks: int) -> None:
+    """Record on a worker's plan the blocks per buffer the scheduler's pool must not hand out."""
+    setattr(kv_cache_config, _PRIVATE_ATTR, blocks)
+
+
+def private_blocks_of(kv_cache_config: Any) -> int:
+    return int(getattr(kv_cache_config, _PRIVATE_ATTR, 0))
+
+
+def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> dict[str, str]:
+    """The attention backend's name of each attention layer of ``layer_names``."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention, list(layer_names))
+    return {name: layer.get_attn_backend().get_name() for name, layer in layers.items()}
+
+
+def block_tables(forward_context: Any, layer_names: Iterable[str]) -> list[tuple[Any, bool]] | None:
+    """The distinct tensors of the forward's attention metadata that name blocks, each with whether
+    it names token slots (a slot mapping) rather than block ids (a block table); None in a step
+    without attention metadata (vLLM's steps that schedule no tokens read no table)."""
+    import torch
+
+    if forward_context is None or not isinstance(forward_context.attn_metadata, dict):
+        return None
+    metadata, slots = forward_context.attn_metadata, forward_context.slot_mapping
+    found: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, bool]] = {}
+    seen: set[tuple[int, int]] = set()  # the layers of a group share their metadata: look once
+    for name in layer_names:
+        meta = metadata[name]
+        layer_slots = slots.get(name) if isinstance(slots, dict) else None
+        if (id(meta), id(layer_slots)) in seen:
+            continue
+        seen.add((id(meta), id(layer_slots)))
+        table = getattr(meta, "block_table", None)
+        if not isinstance(table, torch.Tensor):
+            raise RuntimeError(
+                f"dynamic_buffer_resident_blocks: the {type(meta).__name__} attention metadata names no "
+                "block_table to point at the private blocks; run without resident blocks"
+            )
+        for tensor, is_slots in ((table, False), (getattr(meta, "slot_mapping", None), True), (layer_slots, True)):
+            if isinstance(tensor, torch.Tensor):
+                found.setdefault((tensor.data_ptr(), tuple(tensor.shape)), (tensor, is_slots))
+    return list(found.values())
+
+
+# Triton's launcher: a compiled kernel (``JITFunction.warmup``) launched again with its arguments
+# as integers skips the binding and specialization Triton's own launch repeats on every call.
+_TRITON_LAUNCHER = (3, 2)  # from this version a compiled kernel's launcher takes every argument
+
+
+def triton_launcher_missing() -> str | None:
+    """What of Triton's launcher ABI this Triton lacks, or None."""
+    import triton
+    from triton.compiler import CompiledKernel
+
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+    if version < _TRITON_LAUNCHER:
+        return f"Triton {triton.__version__}: a compiled kernel's launcher taking constexprs needs Triton 3.2"
+    absent = [name for name in ("run", "__getitem__") if not hasattr(CompiledKernel, name)]
+    return f"Triton {triton.__version__}: CompiledKernel lacks {', '.join(absent)}" if absent else None
+
+
+def require_triton_launcher(setting: str) -> None:
+    missing = triton_launcher_missing()
+    if missing:
+        raise ConfigError(f"{setting}: the swap kernel's launch needs Triton's launcher ABI ({missing}); "
+                          "vllm_aio/vllm_compat.py is where it is adapted")
+
+
+def compile_kernel(kernel: Any, grid: tuple[int, int, int], args: tuple, num_warps: int) -> Any:
+    """``kernel`` compiled for ``args``' types (tensors where they are pointers)."""
+    return kernel.warmup(*args, grid=grid, num_warps=num_warps)
+
+
+def first_launch(compiled: Any, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
+    """The compiled kernel's first launch, through Triton (which also loads it onto the device)."""
+    compiled[grid](*args, stream=stream)
+
+
+def launch(compiled: Any, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
+    """A loaded compiled kernel launched with ``args`` as they are (integers for pointers), no hooks."""
+    compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)

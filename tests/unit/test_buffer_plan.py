@@ -1,4 +1,4 @@
-"""``vllm_aio.buffer_plan``: vLLM's KV cache plan re-laid for the dynamic buffer (real vLLM types)."""
+"""``vllm_aio.buffer.plan``: vLLM's KV cache plan re-laid for the dynamic buffer (real vLLM types)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _config(kv, layers: int, num_blocks: int = 10, page: int = 4096):
 
 
 def test_layers_are_placed_round_robin_on_the_buffers(kv):
-    from vllm_aio.buffer_plan import alias_layers
+    from vllm_aio.buffer.plan import alias_layers
 
     planned = alias_layers(_config(kv, layers=5), buffers=2)
     region = 10 * 4096
@@ -42,7 +42,7 @@ def test_layers_are_placed_round_robin_on_the_buffers(kv):
 def test_private_blocks_stay_out_of_the_schedulers_pool(kv):
     from vllm.v1.core import kv_cache_utils
 
-    from vllm_aio.buffer_plan import private_blocks, register, reserve_private
+    from vllm_aio.buffer.plan import private_blocks, register, reserve_private
 
     register()
     config = _config(kv, layers=5, num_blocks=40)
@@ -54,14 +54,14 @@ def test_private_blocks_stay_out_of_the_schedulers_pool(kv):
 
 
 def test_private_blocks_that_leave_too_few_for_vllm_are_refused(kv):
-    from vllm_aio.buffer_plan import reserve_private
+    from vllm_aio.buffer.plan import reserve_private
 
     with pytest.raises(ConfigError, match="dynamic_buffer_resident_blocks: 20 private blocks per buffer leave 20 of 40"):
         reserve_private(_config(kv, layers=4, num_blocks=40), 20)
 
 
 def test_block_outermost_layout_is_refused(kv):
-    from vllm_aio.buffer_plan import alias_layers
+    from vllm_aio.buffer.plan import alias_layers
 
     config = _config(kv, layers=4)
     (t,) = config.kv_cache_tensors
@@ -72,7 +72,7 @@ def test_block_outermost_layout_is_refused(kv):
 
 
 def test_a_hybrid_model_is_refused_with_the_reason(kv):
-    from vllm_aio.buffer_plan import alias_layers
+    from vllm_aio.buffer.plan import alias_layers
 
     config = _config(kv, layers=4)
     full, sliding = config.kv_cache_groups[0].kv_cache_spec, kv.SlidingWindowSpec(
@@ -93,7 +93,7 @@ def test_a_hybrid_model_is_refused_with_the_reason(kv):
     ],
 )
 def test_features_that_break_the_layer_order_are_refused(change, message):
-    from vllm_aio.buffer_plan import refuse_unsupported
+    from vllm_aio.buffer.plan import refuse_unsupported
 
     config = {
         "compilation_config": SimpleNamespace(cudagraph_mode=None),
@@ -105,7 +105,7 @@ def test_features_that_break_the_layer_order_are_refused(change, message):
 
 
 def test_other_connectors_leave_the_plan_alone():
-    from vllm_aio.buffer_plan import dynamic_buffer_layers
+    from vllm_aio.buffer.plan import dynamic_buffer_layers
 
     extra = {"dynamic_buffer_layers": 2}
     other = SimpleNamespace(kv_connector="ExampleConnector", kv_connector_module_path=None,

@@ -13,6 +13,7 @@ import torch
 from devices import CUDA as CUDA_DEVICES
 from devices import params
 from vllm_aio import device as device_module
+from vllm_aio.buffer.swaps import RowSwaps
 from vllm_aio.device import LINK_COPY_MIN_ROWS, Device
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -194,7 +195,7 @@ def test_row_swaps_move_rows_out_of_a_buffer_before_moving_rows_into_it(name, di
     try:
         values = torch.arange(3 * planes * blocks * width, dtype=torch.int64).view(3, planes, blocks, width)
         buffer = torch.empty_like(values[2]).to(device.torch_device)
-        swaps = device.row_swaps([done, following], [buffer, buffer], stream)  # both layers in one buffer
+        swaps = RowSwaps(device, [done, following], [buffer, buffer], stream)  # both layers in one buffer
         steps = [(np.array([3, 7, 11, 20]), np.array([7, 11, 30, 31, 39])),  # 7 and 11 both ways
                  (np.array([1, 5, 9]), np.array([5]))]
         for out_rows, in_rows in steps:

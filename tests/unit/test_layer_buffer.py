@@ -18,9 +18,10 @@ from devices import CUDA, params
 from test_device import registered
 
 from vllm_aio import host_copy
-from vllm_aio.buffer_plan import private_blocks
+from vllm_aio.buffer.plan import private_blocks
 from vllm_aio.connector.block_layout import BlockLayout
-from vllm_aio.connector.layer_buffer import LayerBuffer, _even_chunks, _runs
+from vllm_aio.buffer.layer_buffer import LayerBuffer
+from vllm_aio.buffer.steps import split_runs
 from vllm_aio.connector.metadata import BufferStep
 
 NUM_BLOCKS, PAGE = 24, (2, 16, 32)  # [blocks, K/V, tokens, channels]
@@ -205,28 +206,25 @@ def test_host_fast_paths_match_gather_and_scatter(threads, shape, monkeypatch):
         layout.gather_planes(torch.tensor([0, NUM_BLOCKS]), 1, planes[: 2 * layout.layer_bytes(1)])
 
 
-def test_runs_and_even_chunks():
-    assert _runs([], 1)[0] == [] and len(_runs([], 1)[1]) == 0
-    runs, rest = _runs([9, 1, 2, 3, 7, 3, 11, 12], 2)
+def test_consecutive_ids_split_into_runs_and_the_rest():
+    assert split_runs([], 1)[0] == [] and len(split_runs([], 1)[1]) == 0
+    runs, rest = split_runs([9, 1, 2, 3, 7, 3, 11, 12], 2)
     assert runs == [(1, 4), (11, 13)] and rest.tolist() == [7, 9]
-    assert _runs([5, 6], 3)[1].tolist() == [5, 6]
-    assert [len(c) for c in _even_chunks(torch.arange(7), 3)] == [3, 2, 2]
-    assert [len(c) for c in _even_chunks(torch.arange(6), 3)] == [3, 3]
-    assert _even_chunks(torch.empty(0, dtype=torch.int64), 3) == []
+    assert split_runs([5, 6], 3)[1].tolist() == [5, 6]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_host_copy_is_one_exact_page_locked_allocation(device):
     model = Model(device, 5, 2)
     hosts = list(model.buffer.host_caches.values())
-    memory = model.buffer._host_memory.tensor
+    memory = model.buffer.host.memory.tensor
     assert memory.nbytes == 5 * NUM_BLOCKS * PAGE_BYTES  # no power-of-2 rounding
     assert memory.untyped_storage().nbytes() < memory.nbytes + 3 * 65536  # at most page alignment on top
     assert all(h.untyped_storage().data_ptr() == memory.untyped_storage().data_ptr() for h in hosts)
     assert all(registered(h) == (device != "cpu") for h in hosts)
     model.step(resident=[], written=[0, 1])
     model.buffer.close()
-    assert not model.buffer._host_memory.registered
+    assert not model.buffer.host.memory.registered
     assert not any(registered(h) for h in hosts)  # unregistered; still readable
     assert model.host_matches(4, [0, 1])
 
@@ -239,7 +237,7 @@ def test_without_the_buffer_the_check_fails(skip):
     if skip == "begin_step":
         model.buffer.begin_step = model.buffer.layer_done = model.buffer.end_step = lambda *a: None
     else:
-        setattr(model.buffer, skip, lambda *a: None)
+        setattr(model.buffer._copier, skip, lambda *a: None)
     model.step(resident=list(range(4)), written=list(range(4)))
     assert model.step(resident=list(range(5)), written=[4]) != []
 
@@ -327,7 +325,7 @@ def test_pinned_blocks_need_the_remap():
 
 def test_attention_backends_that_read_blocks_elsewhere_are_refused():
     from vllm_aio.config import ConfigError
-    from vllm_aio.connector.block_remap import check_backends
+    from vllm_aio.buffer.remap import check_backends
 
     check_backends({"layer.0": "CPU_ATTN", "layer.1": "FLASH_ATTN"})
     with pytest.raises(ConfigError, match="attention backend FLASHINFER is not supported; it needs one of CPU_ATTN"):

@@ -106,15 +106,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
         # A tensor a layer from vLLM's runners, a tuple or list of them from vllm-ascend's (block_layout.py).
         if self._amx is not None:
             _log_cpu_attention(self._vllm_config, kv_caches, self._amx)
-        if self._worker.resident_blocks:
-            from vllm.config import get_layers_from_vllm_config
-            from vllm.model_executor.layers.attention.attention import Attention
-
-            from vllm_aio.connector.block_remap import check_backends
-
-            layers = get_layers_from_vllm_config(self._vllm_config, Attention, kv_caches)
-            check_backends({name: layer.get_attn_backend().get_name() for name, layer in layers.items()})
-        self._worker.register_kv_caches(kv_caches, self._num_blocks)
+        self._worker.register_kv_caches(kv_caches, self._num_blocks, self._vllm_config)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, AioConnectorMetadata)

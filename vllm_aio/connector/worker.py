@@ -8,7 +8,7 @@ cache is registered, by choosing three participants:
   buffer fills, layer by layer, or in the background;
 * a save strategy (``saves.py``): whole blocks at the end of the step, or
   each layer right after its attention;
-* the dynamic buffer's hooks (``layer_buffer.py``), or none.
+* the dynamic buffer's hooks (``buffer/participant.py``), or none.
 
 vLLM's hooks per step, in order: ``handle_preemptions`` (blocks of requests
 preempted at this step's scheduling copied out), ``bind_connector_metadata`` (``begin_step``:
@@ -22,16 +22,15 @@ copies themselves are ``block_io.py``'s.
 from __future__ import annotations
 
 import threading
-
-import torch
+from typing import Any
 
 from vllm_aio.backends import Backend
+from vllm_aio.buffer.participant import BufferHooks, NoBuffer, open_buffer
 from vllm_aio.config import AioConfig
 from vllm_aio.connector.block_io import BlockIO, open_block_io
 from vllm_aio.connector.block_layout import LayerCache, check_groups_alias
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.events import SavedParts, SettledSaves
-from vllm_aio.connector.layer_buffer import BufferHooks, LayerBuffer, NoBuffer
 from vllm_aio.connector.loads import BeforeBuffer, BeforeForward, InBackground, Layerwise, LoadReport, Loads
 from vllm_aio.connector.metadata import AioConnectorMetadata
 from vllm_aio.connector.saves import LayerwiseSaves, Saves, WholeBlockSaves
@@ -64,34 +63,17 @@ class AioWorker:
         self._settled = SettledSaves(ownership.shard_id) if kv_events else None
         # Chosen by register_kv_caches, once the KV cache exists.
         self._io: BlockIO | None = None
-        self._buffer: BufferHooks | NoBuffer = NoBuffer()
+        self._buffer: BufferHooks | NoBuffer | None = None
         self._report: LoadReport | None = None
         self._loads: Loads | None = None
         self._saves: Saves | None = None
 
-    @property
-    def resident_blocks(self) -> int:
-        """Private device blocks per layer for resident requests (dynamic buffer)."""
-        return self._dep.resident_blocks  # the config refuses them without the buffer
-
-    def register_kv_caches(self, kv_caches: dict[str, LayerCache], num_blocks: int) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, LayerCache], num_blocks: int, vllm_config: Any = None) -> None:
+        """``vllm_config``: where the dynamic buffer finds the attention layers (resident blocks)."""
         if self._dep.hybrid:  # blocks of every group are read through group 0's layers
             check_groups_alias(kv_caches, [g.layer_names for g in self._dep.groups])
-        if self._dep.buffer_layers:
-            buffer = LayerBuffer(
-                kv_caches, self._dep.layer_names, num_blocks, self._dep.buffer_layers, self._cfg.staging_buffer_size,
-                resident_blocks=self._dep.resident_blocks, block_tokens=self._dep.block_size,
-            )
-            self._buffer = BufferHooks(buffer, self._dep.layer_names)
-            # The pool moves vLLM's blocks to and from the buffer's host copy (not the private ones).
-            kv_caches, num_blocks = buffer.host_caches, buffer.num_blocks
-            logger.info(
-                "vllm_aio: dynamic buffer: %d layers on %d device buffers; host copy of every layer %.2f GiB%s",
-                len(self._dep.layer_names),
-                self._dep.buffer_layers,
-                buffer.host_bytes / 2**30,
-                "" if buffer.device.is_host else " (page-locked)",
-            )
+        self._buffer = open_buffer(self._dep, self._cfg.staging_buffer_size, kv_caches, num_blocks, vllm_config)
+        kv_caches, num_blocks = self._buffer.pool_caches
         header = EntryHeader(self._dep.namespace.digest(), self._owner.shard_id, -1, self._dep.block_size, 0)
         self._io = open_block_io(
             kv_caches, self._dep.layer_names, num_blocks, self._backend, header,

@@ -7,7 +7,7 @@ the blocks) and then every layer is placed on buffer ``l % S``: one
 ``KVCacheTensor`` per layer at offset ``(l % S) x region`` of one backing
 allocation of ``S x region`` bytes, exactly the memory vLLM measured. Layers
 sharing a buffer alias the same bytes; the worker
-(``connector/layer_buffer.py``) streams each layer's blocks in from host
+(``buffer/layer_buffer.py``) streams each layer's blocks in from host
 memory before it runs and writes new K/V back before the buffer is reused.
 
 With ``dynamic_buffer_resident_blocks`` (P), each buffer also holds P private
@@ -24,8 +24,7 @@ It changes nothing unless the AioConnector is configured with
 
 from __future__ import annotations
 
-import dataclasses
-import sys
+from collections.abc import Callable
 from typing import Any
 
 from vllm_aio import vllm_compat
@@ -35,27 +34,20 @@ from vllm_aio.registration import selects_aio
 
 logger = get_logger(__name__)
 
-_PLANNER = "get_kv_cache_configs"
-_SCHEDULER_VIEW = "generate_scheduler_kv_cache_config"
-# Set on the workers' plans: the blocks per buffer kept out of the scheduler's pool.
-_PRIVATE_ATTR = "vllm_aio_private_blocks"
-
 
 def register() -> None:
-    from vllm.v1.core import kv_cache_utils
+    """Patch vLLM's planner (a no-op where an internal it needs is missing: the worker refuses the
+    buffer at start then, naming it, ``vllm_compat.require_buffer_internals``)."""
+    vllm_compat.patch_kv_cache_planner(_planner, _scheduler_view)
 
-    original = getattr(kv_cache_utils, _PLANNER)
-    if getattr(original, "__wrapped_by_vllm_aio__", False):
-        return
 
+def _planner(original: Callable) -> Callable:
     def plan(vllm_config, kv_cache_specs, available_memory):
         cfg = _aio_config(vllm_config)
         buffers = cfg.dynamic_buffer_layers if cfg is not None else 0
         if not buffers:
             return original(vllm_config, kv_cache_specs, available_memory)
         refuse_unsupported(vllm_config)
-        vllm_compat.require(vllm_compat.aliases_layers(), "dynamic_buffer_layers",
-                            "one KV cache tensor for several layers, KVCacheTensor.layers and layer_stride")
         num_layers = max(len(specs) for specs in kv_cache_specs)
         if buffers >= num_layers:
             raise ConfigError(
@@ -78,19 +70,16 @@ def register() -> None:
         )
         return configs
 
+    return plan
+
+
+def _scheduler_view(original: Callable) -> Callable:
     def scheduler_view(kv_cache_configs):
-        config = original_view(kv_cache_configs)
-        config.num_blocks -= getattr(kv_cache_configs[0], _PRIVATE_ATTR, 0)
+        config = original(kv_cache_configs)
+        config.num_blocks -= vllm_compat.private_blocks_of(kv_cache_configs[0])
         return config
 
-    original_view = getattr(kv_cache_utils, _SCHEDULER_VIEW)
-    plan.__wrapped_by_vllm_aio__ = True
-    for name, patched in ((_PLANNER, plan), (_SCHEDULER_VIEW, scheduler_view)):
-        setattr(kv_cache_utils, name, patched)
-        # The engine core imports these by name; patch its copies if it exists already.
-        core = sys.modules.get("vllm.v1.engine.core")
-        if core is not None and hasattr(core, name):
-            setattr(core, name, patched)
+    return scheduler_view
 
 
 def dynamic_buffer_layers(vllm_config: Any) -> int:
@@ -109,7 +98,7 @@ def private_blocks(num_layers: int, buffers: int, resident: int) -> int:
     """Blocks per buffer past vLLM's: ``resident`` private blocks for each layer placed on it.
 
     Layer ``l`` keeps its private blocks at ``num_blocks + (l // buffers) * resident``
-    (the worker remaps resident block ids there, ``connector/layer_buffer.py``).
+    (the worker remaps resident block ids there, ``buffer/remap.py``).
     """
     return -(-num_layers // buffers) * resident
 
@@ -121,7 +110,7 @@ def reserve_private(config: Any, private: int) -> None:
             f"dynamic_buffer_resident_blocks: {private} private blocks per buffer leave "
             f"{config.num_blocks - private} of {config.num_blocks} for the streamed requests; use fewer"
         )
-    setattr(config, _PRIVATE_ATTR, private)
+    vllm_compat.set_private_blocks(config, private)
 
 
 def refuse_unsupported(vllm_config: Any) -> None:
@@ -140,8 +129,6 @@ def refuse_unsupported(vllm_config: Any) -> None:
 
 def alias_layers(config: Any, buffers: int) -> Any:
     """Put layer ``l`` of the single layer-outermost tensor on buffer ``l % buffers``."""
-    from vllm.v1.kv_cache_interface import KVCacheTensor
-
     if len(config.kv_cache_groups) != 1:
         raise ConfigError(
             f"dynamic_buffer_layers: hybrid models are not supported ({len(config.kv_cache_groups)} KV cache "
@@ -161,13 +148,7 @@ def alias_layers(config: Any, buffers: int) -> Any:
             "set VLLM_KV_CACHE_LAYOUT to a layer-outermost layout"
         )
     layers = [
-        KVCacheTensor(
-            size=buffers * region,
-            layers=[name],
-            layer_stride=region,
-            block_stride=tensor.block_stride,
-            offset=(i % buffers) * region,
-        )
+        vllm_compat.kv_cache_tensor(buffers * region, name, region, tensor.block_stride, (i % buffers) * region)
         for i, name in enumerate(tensor.layers)
     ]
-    return dataclasses.replace(config, kv_cache_tensors=layers)
+    return vllm_compat.with_kv_cache_tensors(config, layers)

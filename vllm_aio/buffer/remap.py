@@ -3,8 +3,8 @@
 vLLM shares one block table and one slot mapping across every layer of a KV
 cache group, so a block id names the same place in each layer's cache. The
 dynamic buffer keeps some blocks on the device in every layer (``pinned``,
-``connector/residency.py``): block ``b`` with slot ``j`` lives at private id
-``num_blocks + (layer // S) * P + j`` of the layer's buffer (``buffer_plan``).
+the scheduler's residency): block ``b`` with slot ``j`` lives at private id
+``num_blocks + (layer // S) * P + j`` of the layer's buffer (``buffer/plan.py``).
 Before the layers of each buffer pass, the entries naming a pinned block are
 rewritten in place to that id, by value, so every request naming the block
 (prefix sharing) reads the private copy; after the step the tables get their
@@ -14,8 +14,9 @@ The rewrite is two small device kernels per table per S layers, from tensors
 prepared once per step: ``base = table + offset[block]`` and
 ``step = P`` for pinned blocks, 0 elsewhere (in the table's units), then ``table = base + k * step``.
 Only backends whose metadata carry the ``block_table`` their kernels read are
-supported (``BACKENDS``: vLLM's CPU, FlashAttention and Triton attention);
-``check_backends`` refuses others when the KV cache is registered.
+supported (``vllm_compat.REMAPPABLE_BACKENDS``: vLLM's CPU, FlashAttention and Triton attention);
+``check_backends`` refuses others when the KV cache is registered. Which of the
+attention metadata's tensors name blocks is ``vllm_compat.block_tables``'s.
 """
 
 from __future__ import annotations
@@ -26,11 +27,9 @@ from typing import Any
 
 import torch
 
+from vllm_aio import vllm_compat
 from vllm_aio.config import ConfigError
 from vllm_aio.device import Device
-
-# Attention backends whose metadata's ``block_table`` and slot mapping are what their kernels read.
-BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN")
 
 
 @dataclass
@@ -77,11 +76,11 @@ class BlockRemap:
 
     def attach(self, forward_context: Any, layer_names: Iterable[str]) -> None:
         """Take the forward's tables, pointed at the first pass's private blocks."""
-        # A step without attention metadata (vLLM's steps that schedule no tokens) reads no table.
-        if self._blocks is None or forward_context is None or not isinstance(forward_context.attn_metadata, dict):
+        tables = vllm_compat.block_tables(forward_context, layer_names) if self._blocks is not None else None
+        if tables is None:
             return
-        for tensor, unit in _tables_of(forward_context, layer_names, self._block_tokens):
-            self._tables.append(self._prepare(tensor, unit))
+        for tensor, is_slots in tables:
+            self._tables.append(self._prepare(tensor, self._block_tokens if is_slots else 1))
         self._pass = -1
         self.apply(0)
 
@@ -110,35 +109,12 @@ class BlockRemap:
         return _Table(tensor, original, (original + offset).to(tensor.dtype), step.to(tensor.dtype))
 
 
-def _tables_of(forward_context: Any, layer_names: Iterable[str], block_tokens: int) -> list[tuple[torch.Tensor, int]]:
-    """The distinct block tables and slot mappings the layers read, with their units per vLLM block."""
-    metadata, slots = forward_context.attn_metadata, forward_context.slot_mapping
-    found: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, int]] = {}
-    seen: set[tuple[int, int]] = set()  # the layers of a group share their metadata: look once
-    for name in layer_names:
-        meta = metadata[name]
-        layer_slots = slots.get(name) if isinstance(slots, dict) else None
-        if (id(meta), id(layer_slots)) in seen:
-            continue
-        seen.add((id(meta), id(layer_slots)))
-        table = getattr(meta, "block_table", None)
-        if not isinstance(table, torch.Tensor):
-            raise RuntimeError(
-                f"dynamic_buffer_resident_blocks: the {type(meta).__name__} attention metadata names no "
-                "block_table to point at the private blocks; run without resident blocks"
-            )
-        pairs = [(table, 1), (getattr(meta, "slot_mapping", None), block_tokens), (layer_slots, block_tokens)]
-        for tensor, unit in pairs:
-            if isinstance(tensor, torch.Tensor):
-                found.setdefault((tensor.data_ptr(), tuple(tensor.shape)), (tensor, unit))
-    return list(found.values())
-
-
 def check_backends(backend_names: dict[str, str]) -> None:
     """Refuse, at start, layers whose attention backend (name by layer) reads blocks some other way."""
-    other = sorted({name for name in backend_names.values() if name not in BACKENDS})
+    supported = vllm_compat.REMAPPABLE_BACKENDS
+    other = sorted({name for name in backend_names.values() if name not in supported})
     if other:
         raise ConfigError(
             f"dynamic_buffer_resident_blocks: attention backend {', '.join(other)} is not supported; it needs one "
-            f"of {', '.join(BACKENDS)} (--attention-backend), or 0 resident blocks"
+            f"of {', '.join(supported)} (--attention-backend), or 0 resident blocks"
         )
