@@ -21,7 +21,8 @@ require("aiohttp")
 from aiohttp import ClientSession, web  # noqa: E402
 
 from vllm_aio.migration.driver import Instance  # noqa: E402
-from vllm_aio.migration.router import Router, parse_load  # noqa: E402
+from vllm_aio.migration.router import Router  # noqa: E402
+from vllm_aio.migration.router.metrics_text import parse_load  # noqa: E402
 
 BLOCK = 4
 PROMPT = list(range(10, 19))  # 9 tokens: a block boundary after 4, 8, 12, ... generated tokens
