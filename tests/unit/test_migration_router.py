@@ -354,16 +354,3 @@ def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policies: priority"):
         Router([Instance("http://x"), Instance("http://y")], policy="round-robin")
 
-
-def test_cli_router_needs_two_instances(capsys):
-    from vllm_aio.cli import main
-
-    assert main(["migrate", "--policy", "priority", "--instance", "http://a"]) == 2
-    assert "at least two --instance" in capsys.readouterr().err
-
-
-def test_cli_migrate_without_a_policy_still_needs_source_target_and_prompt(capsys):
-    from vllm_aio.cli import main
-
-    assert main(["migrate", "--source", "http://a", "--target", "http://b"]) == 2
-    assert "--prompt" in capsys.readouterr().err
