@@ -64,12 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"vllm-aio serve-mooncake: {e}", file=sys.stderr)
         return 1
     try:
-        text = json.dumps(pool.config, indent=2)
-        if args.config_out:
-            args.config_out.write_text(text + "\n")
-            print(f"# settings written to {args.config_out}; export MOONCAKE_CONFIG_PATH={args.config_out}",
-                  file=sys.stderr)
-        print(text, flush=True)
+        _print_settings(pool.config, args.config_out)
         print(f"# pool of {args.size} bytes up (pid {os.getpid()}, logs in {pool.log_dir}); "
               "Ctrl-C or SIGTERM stops it", file=sys.stderr, flush=True)
         reason = _wait_for_signal(pool.alive)
@@ -77,6 +72,15 @@ def run(args: argparse.Namespace) -> int:
         return 0 if reason in ("SIGINT", "SIGTERM") else 1
     finally:
         pool.stop()
+
+
+def _print_settings(config: dict, config_out: Path | None) -> None:
+    """The engines' settings on stdout, and in ``config_out`` for ``MOONCAKE_CONFIG_PATH``."""
+    text = json.dumps(config, indent=2)
+    if config_out:
+        config_out.write_text(text + "\n")
+        print(f"# settings written to {config_out}; export MOONCAKE_CONFIG_PATH={config_out}", file=sys.stderr)
+    print(text, flush=True)
 
 
 def _wait_for_signal(pool_alive: Callable[[], bool]) -> str:

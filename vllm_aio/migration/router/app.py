@@ -74,6 +74,10 @@ class Router:
             return replies.error(400, f"X-Instance names none of the {len(self.instances)} instances")
         if not movable(body):
             return await forward(self.http, request, instance, body)
+        return await self._relay(request, instance, body)
+
+    async def _relay(self, request: web.Request, instance: Instance, body: dict) -> web.StreamResponse:
+        """A movable request, a flight the monitor may order moved until its relay ends."""
         priority = body.get("priority", 0)
         if not isinstance(priority, int) or isinstance(priority, bool):
             return replies.error(400, f"priority must be an integer, got {priority!r}")
