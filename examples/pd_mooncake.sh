@@ -12,7 +12,7 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export PYTHONHASHSEED=0
 
 # A master plus a 2 GB memory owner on loopback; writes the engines' settings.
-.venv/bin/vllm-aio mooncake-pool --size 2GB --config-out /tmp/mooncake.json &
+.venv/bin/vllm-aio serve-mooncake --size 2GB --config-out /tmp/mooncake.json &
 trap 'kill $(jobs -p) 2>/dev/null' EXIT
 while [ ! -s /tmp/mooncake.json ]; do sleep 0.2; done
 export MOONCAKE_CONFIG_PATH=/tmp/mooncake.json

@@ -1,4 +1,4 @@
-"""Migration by priority end to end: ``vllm-aio migrate --policy priority`` in front of two real instances.
+"""Migration by priority end to end: ``vllm-aio router --policy priority`` in front of two real instances.
 
 A (the source) has a KV cache of 56 blocks of 32 tokens under ``--scheduling-policy
 priority``: four low-priority requests and one high-priority one, 300-token prompts
@@ -66,7 +66,7 @@ def router(cluster, tmp_path_factory):
     log = tmp_path_factory.mktemp("router") / "router.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm_aio.cli", "migrate", "--policy", "priority",
+        proc = subprocess.Popen([sys.executable, "-m", "vllm_aio.cli", "router", "--policy", "priority",
                                  "--instance", cluster["a"].url, "--instance", cluster["b"].url,
                                  "--port", str(port), "--interval", "0.1"],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -353,7 +353,7 @@ def test_cli_pool_writes_config_and_stops_on_sigterm(tmp_path: Any) -> None:
     require_mooncake()
     out = tmp_path / "mooncake.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_aio.cli", "mooncake-pool", "--size", "32MB", "--config-out", str(out),
+        [sys.executable, "-m", "vllm_aio.cli", "serve-mooncake", "--size", "32MB", "--config-out", str(out),
          "--log-dir", str(tmp_path / "logs")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )

@@ -4,7 +4,7 @@ Why a separate memory owner: Mooncake keeps each value in the segment of the
 client that contributed the memory, and the value vanishes when that client
 closes. Engines therefore run with ``global_segment_size = 0`` and a standalone
 ``mooncake_client`` (shipped in the mooncake wheel) owns the pool, so cached
-blocks outlive engine restarts. Used by ``vllm-aio mooncake-pool``, the tests,
+blocks outlive engine restarts. Used by ``vllm-aio serve-mooncake``, the tests,
 the examples and the benchmarks.
 
 Every port is chosen free on 127.0.0.1 unless given (two masters on default

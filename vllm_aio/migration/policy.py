@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
+POLICIES = ("priority",)  # the router's --policy choices
+
 
 @dataclass(frozen=True)
 class Load:
