@@ -30,7 +30,6 @@ import pytest
 
 from conftest import ROOT, THREADS
 
-BENCHMARKS = ROOT / "benchmarks"
 TIMEOUT_S = 300  # per script, from its start (a guard against hangs)
 # script -> (what it needs beyond torch, the first column of a table it prints)
 SCRIPTS = {
@@ -86,7 +85,7 @@ class Run:
         plot = ["--plot", str(out / f"{script}.png")] if script == PLOTTED else []
         with open(log, "w") as f:
             proc = subprocess.Popen(
-                [sys.executable, str(BENCHMARKS / f"{script}.py"), "--quick", "--json", str(out / f"{script}.json"),
+                [sys.executable, "-m", f"benchmarks.{script}", "--quick", "--json", str(out / f"{script}.json"),
                  *plot],
                 cwd=ROOT, env={**os.environ, **(env or {})}, stdout=f, stderr=subprocess.STDOUT,
                 start_new_session=True)
