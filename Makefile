@@ -114,9 +114,9 @@ test-bench: install model
 GPU_TESTS := $(addprefix tests/unit/,test_device.py test_staging.py test_block_layout.py test_block_io.py test_layer_buffer.py)
 test-gpu:
 	$(PYTHON) -m pytest $(GPU_TESTS) -p no:cacheprovider -q -ra
-	$(PYTHON) benchmarks/block_io_device.py --quick
-	$(PYTHON) benchmarks/layer_pipeline.py --quick
-	$(PYTHON) benchmarks/dynamic_buffer.py --quick
+	$(PYTHON) -m benchmarks.block_io_device --quick
+	$(PYTHON) -m benchmarks.layer_pipeline --quick
+	$(PYTHON) -m benchmarks.dynamic_buffer --quick
 
 # On an Ascend host, inside vllm-ascend's image (quay.io/ascend/vllm-ascend:v0.23.0 has CANN,
 # torch_npu, vLLM and vllm-ascend): the tests marked npu, as .github/workflows/npu.yml runs them.

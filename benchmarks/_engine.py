@@ -7,7 +7,7 @@ interleave their requests (only one of them computes at any moment). Each
 request runs alone with ``max_tokens=1``: its latency is its time to first
 token.
 
-    python benchmarks/_engine.py spec.json RESULT_FD
+    python -m benchmarks._engine spec.json RESULT_FD
 
 spec: {"model", "max_model_len", "enable_prefix_caching", "kv_transfer_config",
        "max_num_batched_tokens", "tensor_parallel_size", "distributed_executor_backend",
@@ -44,7 +44,7 @@ import time
 import uuid
 from pathlib import Path
 
-from _report import plot, plot_argument  # benchmarks/ is on sys.path: this file is imported or run from there
+from benchmarks._report import plot, plot_argument
 
 ROOT = Path(__file__).resolve().parent.parent
 MIN_HIT = 0.8  # warm requests must have at least this share of their prompt cached
@@ -158,7 +158,7 @@ class EngineProc:
         self.started = time.perf_counter()
         # Own session: on failure the whole engine (runner + engine core + workers) is killed by pgid.
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, str(self.spec_path), str(write_fd)],
+            [sys.executable, "-m", "benchmarks._engine", str(self.spec_path), str(write_fd)],
             env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
             pass_fds=(write_fd,), start_new_session=True, text=True,
         )

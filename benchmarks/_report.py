@@ -64,6 +64,27 @@ def plot_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, help="also draw the main comparison as a PNG at PATH (needs matplotlib)")
 
 
+def bar_chart(path: Path, title: str, panels: dict[str, dict[str, float]]) -> None:
+    """Bar charts side by side, one per panel (its axis label -> {bar label: value}), the bars in the given order."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    from matplotlib import pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 4.8), dpi=100, squeeze=False)
+    for ax, (axis, bars) in zip(axes[0], panels.items()):
+        ax.bar(range(len(bars)), list(bars.values()), color=[f"C{i}" for i in range(len(bars))])
+        ax.set_xticks(range(len(bars)), list(bars), rotation=30, ha="right", fontsize="small")
+        ax.set(ylabel=axis)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def progress(items: Iterable[T], total: int, what: str, quick: bool) -> Iterator[T]:
     """``items`` with a progress bar on stderr, only where someone watches: a terminal, not ``--quick``."""
     if quick or not sys.stderr.isatty():

@@ -58,11 +58,11 @@ blocks equal the saved ones byte for byte.
 
 Run locally (CPU, tiny sizes: a smoke test of the code paths, timings meaningless):
 
-    .venv/bin/python benchmarks/block_io_device.py --device cpu --quick
+    .venv/bin/python -m benchmarks.block_io_device --device cpu --quick
 
 On the GPU machine, through the device tool (python3 there holds torch):
 
-    python3 benchmarks/block_io_device.py --json $OUT/block_io_device.json
+    python3 -m benchmarks.block_io_device --json $OUT/block_io_device.json
 
 Results JSON goes to ``benchmarks/results/block_io_device.json`` unless ``--json``.
 """
@@ -80,23 +80,21 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from vllm_aio.backends import Status  # noqa: E402
-from vllm_aio.backends.local import LocalBackend  # noqa: E402
-from vllm_aio.connector.block_io import (  # noqa: E402
+from vllm_aio.backends import Status
+from vllm_aio.backends.local import LocalBackend
+from vllm_aio.connector.block_io import (
     BlockIO, BlockRef, CopyHandoff, HostCachePath, StagedPath, ValueLabels, open_block_io,
 )
-from vllm_aio.connector.block_layout import BlockLayout  # noqa: E402
-from vllm_aio.connector.staging import StagingBuffer  # noqa: E402
-from vllm_aio.device import Device  # noqa: E402
-from vllm_aio.pool import shm_file  # noqa: E402
-from vllm_aio.pool.entry import HEADER_BYTES  # noqa: E402
-from vllm_aio.pool.keys import Unit  # noqa: E402
-from _accel import Accel, timed, wall  # noqa: E402  (benchmarks/ is on sys.path)
-from _model import DTYPE, LLAMA3_8B, TINY, Model  # noqa: E402
-from _pool import expect, free_bytes, header, use_pool_dir  # noqa: E402
-from _report import arguments, plot, plot_argument, print_markdown, write_results  # noqa: E402
+from vllm_aio.connector.block_layout import BlockLayout
+from vllm_aio.connector.staging import StagingBuffer
+from vllm_aio.device import Device
+from vllm_aio.pool import shm_file
+from vllm_aio.pool.entry import HEADER_BYTES
+from vllm_aio.pool.keys import Unit
+from benchmarks._accel import Accel, timed, wall
+from benchmarks._model import DTYPE, LLAMA3_8B, TINY, Model
+from benchmarks._pool import expect, free_bytes, header, use_pool_dir
+from benchmarks._report import arguments, plot, plot_argument, print_markdown, write_results
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 

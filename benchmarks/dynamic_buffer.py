@@ -110,11 +110,11 @@ stream (``vllm_aio S=2 pinned``; ``streamed``: every request streamed, no reside
 
 Run locally (CPU, synchronous, tiny sizes: a smoke test, timings meaningless):
 
-    .venv/bin/python benchmarks/dynamic_buffer.py --device cpu --quick
+    .venv/bin/python -m benchmarks.dynamic_buffer --device cpu --quick
 
 On the GPU machine, through the device tool (python3 there holds torch):
 
-    python3 benchmarks/dynamic_buffer.py --json $OUT/dynamic_buffer.json
+    python3 -m benchmarks.dynamic_buffer --json $OUT/dynamic_buffer.json
 
 Results JSON goes to ``benchmarks/results/dynamic_buffer.json`` unless ``--json``.
 """
@@ -125,20 +125,17 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from vllm_aio.buffer.plan import private_blocks  # noqa: E402
-from vllm_aio.buffer.layer_buffer import LayerBuffer  # noqa: E402
-from vllm_aio.connector.metadata import BufferStep  # noqa: E402
-from _accel import Accel, copy_bandwidth, timed  # noqa: E402  (benchmarks/ is on sys.path)
-from _model import DTYPE, LLAMA3_8B, TINY, Model, Weights, attend_grouped, finish, project, random_rows  # noqa: E402
-from _report import arguments, print_markdown, write_results  # noqa: E402
+from vllm_aio.buffer.plan import private_blocks
+from vllm_aio.buffer.layer_buffer import LayerBuffer
+from vllm_aio.connector.metadata import BufferStep
+from benchmarks._accel import Accel, copy_bandwidth, timed
+from benchmarks._model import DTYPE, LLAMA3_8B, TINY, Model, Weights, attend_grouped, finish, project, random_rows
+from benchmarks._report import arguments, print_markdown, write_results
 
 MiB, GiB = 1 << 20, 1 << 30
 

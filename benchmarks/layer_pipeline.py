@@ -96,11 +96,11 @@ of the prefix's whole blocks (every layer in one value) through the default
 Run locally (CPU, synchronous, tiny sizes: a smoke test of the code paths,
 timings meaningless):
 
-    .venv/bin/python benchmarks/layer_pipeline.py --device cpu --quick
+    .venv/bin/python -m benchmarks.layer_pipeline --device cpu --quick
 
 On the GPU machine, through the device tool (python3 there holds torch):
 
-    python3 benchmarks/layer_pipeline.py --json $OUT/layer_pipeline.json
+    python3 -m benchmarks.layer_pipeline --json $OUT/layer_pipeline.json
 
 Results JSON goes to ``benchmarks/results/layer_pipeline.json`` unless ``--json``.
 """
@@ -113,22 +113,19 @@ import time
 import uuid
 from dataclasses import asdict
 from functools import partial
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from vllm_aio.backends import Status  # noqa: E402
-from vllm_aio.backends.local import LocalBackend  # noqa: E402
-from vllm_aio.connector.block_io import Loaded, BlockIO, BlockRef, CopyHandoff, open_block_io  # noqa: E402
-from vllm_aio.connector.transfer import TransferThread  # noqa: E402
-from vllm_aio.pool.entry import HEADER_BYTES  # noqa: E402
-from vllm_aio.pool.keys import Unit  # noqa: E402
-from _accel import Accel, copy_bandwidth, timed  # noqa: E402  (benchmarks/ is on sys.path)
-from _model import DTYPE, LLAMA3_8B, TINY, Model, Weights, attend_grouped, finish, project, random_rows  # noqa: E402
-from _pool import header, pool_dir_for  # noqa: E402
-from _report import arguments, print_markdown, write_results  # noqa: E402
+from vllm_aio.backends import Status
+from vllm_aio.backends.local import LocalBackend
+from vllm_aio.connector.block_io import Loaded, BlockIO, BlockRef, CopyHandoff, open_block_io
+from vllm_aio.connector.transfer import TransferThread
+from vllm_aio.pool.entry import HEADER_BYTES
+from vllm_aio.pool.keys import Unit
+from benchmarks._accel import Accel, copy_bandwidth, timed
+from benchmarks._model import DTYPE, LLAMA3_8B, TINY, Model, Weights, attend_grouped, finish, project, random_rows
+from benchmarks._pool import header, pool_dir_for
+from benchmarks._report import arguments, print_markdown, write_results
 
 MiB, GiB = 1 << 20, 1 << 30
 LAYERWISE = ("layerwise", "layerwise+sep", "layerwise+interleave")

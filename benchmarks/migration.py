@@ -38,7 +38,7 @@ V of a block) over the whole migration. ``(migrate+warm)/recompute`` < 1
 means moving the KV and then serving from it beats the target recomputing the
 same tokens; ``recompute/migrate`` is how many migrations fit in one recompute.
 
-    .venv/bin/python benchmarks/migration.py --models tiny,medium --lengths 1024,2048,4096,8192,16384 --repeats 3
+    .venv/bin/python -m benchmarks.migration --models tiny,medium --lengths 1024,2048,4096,8192,16384 --repeats 3
 
 ``--quick`` (a smoke test): the tiny model, 1k and 2k tokens, once.
 """
@@ -59,12 +59,10 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _engine import BLOCK_SIZE, ROOT, kv_bytes_per_token, make_prompts, thread_binding, value_bytes  # noqa: E402
-from _report import arguments, print_markdown, progress, write_results  # noqa: E402  (benchmarks/ is on sys.path)
-from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy  # noqa: E402
-from vllm_aio.migration.driver import Instance, MigrationError, MoveReport, move_kv  # noqa: E402
+from benchmarks._engine import BLOCK_SIZE, ROOT, kv_bytes_per_token, make_prompts, thread_binding, value_bytes
+from benchmarks._report import arguments, print_markdown, progress, write_results
+from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy
+from vllm_aio.migration.driver import Instance, MigrationError, MoveReport, move_kv
 
 GiB, MiB = 1 << 30, 1 << 20
 # The migration routes are an endpoint plugin: VLLM_PLUGINS must name it, and then our general plugins too.

@@ -21,7 +21,7 @@ A plain memcpy of the same bytes, measured in the same run, is the host-memory
 ceiling. Reported: median GB/s (1e9 B/s) of ``--reps`` repetitions after one
 warm-up repetition.
 
-    .venv/bin/python benchmarks/mooncake_backend.py
+    .venv/bin/python -m benchmarks.mooncake_backend
 """
 
 from __future__ import annotations
@@ -32,16 +32,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from vllm_aio.backends import Backend, Segment, Status, create_backend  # noqa: E402
-from vllm_aio.config import parse_extra_config  # noqa: E402
-from vllm_aio.devtools.mooncake_pool import MooncakePool  # noqa: E402
-from _report import arguments, print_markdown, write_results  # noqa: E402  (benchmarks/ is on sys.path)
+from vllm_aio.backends import Backend, Segment, Status, create_backend
+from vllm_aio.config import parse_extra_config
+from vllm_aio.devtools.mooncake_pool import MooncakePool
+from benchmarks._report import arguments, print_markdown, write_results
 
 
 @dataclass(frozen=True)

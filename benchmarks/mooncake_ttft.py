@@ -26,7 +26,7 @@ eager, ``VLLM_CPU_KVCACHE_SPACE=1``, ``PYTHONHASHSEED=0``; TP=1 binds OpenMP to
 ``0-{ncpu-1}`` (or the caller's ``VLLM_CPU_OMP_THREADS_BIND``), TP=2 uses the ``mp`` executor
 with ``VLLM_CPU_OMP_THREADS_BIND=0|1``.
 
-    .venv/bin/python benchmarks/mooncake_ttft.py --tp 1,2 --lengths 1024,2048,4096 --repeats 3
+    .venv/bin/python -m benchmarks.mooncake_ttft --tp 1,2 --lengths 1024,2048,4096 --repeats 3
 
 ``--systems`` runs a subset (vllm_aio always); ``--quick``, a smoke test of the
 real path (TP=1, one 256-token prompt, once, 256 MB pools), runs vllm_aio alone
@@ -46,12 +46,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _engine import (  # noqa: E402  (benchmarks/ is on sys.path)
+from benchmarks._engine import (
     BLOCK_SIZE, ROOT, EngineFailed, EngineProc, Engines, check_hits, check_loads, chosen, engine_arguments,
     exit_code, make_prompts, plot_ttft, summarize, thread_binding)
-from _report import arguments, print_markdown, progress, write_results  # noqa: E402
+from benchmarks._report import arguments, print_markdown, progress, write_results
 
 SYSTEMS = ("recompute", "MooncakeStoreConnector", "vllm_aio")
 CONNECTORS = SYSTEMS[1:]

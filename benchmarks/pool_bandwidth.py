@@ -35,7 +35,7 @@ pages never touched (the kernel allocates and zeroes them), ``get fresh map``
 reads stored keys through a second, brand-new mapping of the pool (as a new
 engine's worker does on its first load: every 4 KiB page faults once).
 
-    .venv/bin/python benchmarks/pool_bandwidth.py
+    .venv/bin/python -m benchmarks.pool_bandwidth
 """
 
 from __future__ import annotations
@@ -52,10 +52,8 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _pool import expect  # noqa: E402  (benchmarks/ is on sys.path)
-from _report import arguments, plot, plot_argument, print_markdown, progress, write_results  # noqa: E402
+from benchmarks._pool import expect
+from benchmarks._report import arguments, plot, plot_argument, print_markdown, progress, write_results
 
 KiB, MiB = 1 << 10, 1 << 20
 # name, segments per value (layers), segment bytes, blocks
@@ -253,8 +251,9 @@ def main() -> int:
             rows_path = Path(tmp) / "rows.json"
             env = {**os.environ, "GLIBC_TUNABLES": f"glibc.cpu.x86_non_temporal_threshold={args.nt_threshold}"}
             print(f"  again with {env['GLIBC_TUNABLES']} (child process)", flush=True)
-            subprocess.run([sys.executable, __file__, "--repeats", str(args.repeats), "--blocks-scale",
-                            str(args.blocks_scale), "--rows-json", str(rows_path)], env=env, check=True)
+            subprocess.run([sys.executable, "-m", "benchmarks.pool_bandwidth", "--repeats", str(args.repeats),
+                            "--blocks-scale", str(args.blocks_scale), "--rows-json", str(rows_path)],
+                           env=env, check=True)
             nt_rows = json.loads(rows_path.read_text())
     print_table(rows, f"Embedded pool (LocalBackend) vs memcpy, median of {args.repeats}; "
                       f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs")

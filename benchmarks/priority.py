@@ -21,7 +21,7 @@ counted only for requests whose prefix an earlier round stored (the first
 sight of a prefix cannot hit); the table gives it per priority, token
 weighted.
 
-    .venv/bin/python benchmarks/priority.py [--backend local|mooncake] [--quick]
+    .venv/bin/python -m benchmarks.priority [--backend local|mooncake] [--quick]
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _engine import BLOCK_SIZE, ROOT, value_bytes  # noqa: E402
-from _report import arguments, print_markdown, write_results  # noqa: E402
+from benchmarks._engine import BLOCK_SIZE, ROOT, value_bytes
+from benchmarks._report import arguments, print_markdown, write_results
 
 HIGH, LOW = 0, 1  # vLLM priorities: lower is more important
 PREFIX_BLOCKS = 32
@@ -119,8 +118,8 @@ def run_system(model: Path, backend: str, pool_bytes: int, cutoffs: list[int], m
                                              "kv_transfer_config": kv_config(backend, pool_bytes, cutoffs, pool)}))
             env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                    "PYTHONPATH": str(ROOT)}
-            done = subprocess.run([sys.executable, __file__, "--engine", str(spec_path), str(out_path)], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            engine = [sys.executable, "-m", "benchmarks.priority", "--engine", str(spec_path), str(out_path)]
+            done = subprocess.run(engine, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if done.returncode:
                 raise RuntimeError(f"engine failed:\n{done.stdout[-12000:]}")
             return json.loads(out_path.read_text())

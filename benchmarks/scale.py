@@ -31,7 +31,7 @@ only, so the other parts would not change the time. A second table gives the
 master's cost per key of ``batch_is_exist``, a third the worker's per-step key
 building (``block_key`` per block and unit, as ``BlockIO.keys`` does).
 
-    .venv/bin/python benchmarks/scale.py [--quick]
+    .venv/bin/python -m benchmarks.scale [--quick]
 """
 
 from __future__ import annotations
@@ -49,16 +49,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _report import arguments, plot, plot_argument, print_markdown, progress, write_results  # noqa: E402  (benchmarks/ is on sys.path)
-from vllm_aio.backends import Backend  # noqa: E402
-from vllm_aio.backends.local import LocalBackend  # noqa: E402
-from vllm_aio.connector.deployment import Deployment  # noqa: E402
-from vllm_aio.connector.scheduler import AioScheduler  # noqa: E402
-from vllm_aio.pool.entry import HEADER_BYTES  # noqa: E402
-from vllm_aio.pool.keys import BlockParts, Namespace, block_key  # noqa: E402
-from vllm_aio.pool.ownership import Ownership  # noqa: E402
+from benchmarks._report import arguments, plot, plot_argument, print_markdown, progress, write_results
+from vllm_aio.backends import Backend
+from vllm_aio.backends.local import LocalBackend
+from vllm_aio.connector.deployment import Deployment
+from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.pool.entry import HEADER_BYTES
+from vllm_aio.pool.keys import BlockParts, Namespace, block_key
+from vllm_aio.pool.ownership import Ownership
 
 BS = 16
 KV_HEADS = 8

@@ -13,7 +13,7 @@ evictions (embedded pool), load failures by cause (from the connector's log
 lines), and the growth of each server process's resident memory from the end
 of the first pass to the end of the last.
 
-    .venv/bin/python benchmarks/soak.py [--backend local|mooncake] [--minutes 10] [--quick]
+    .venv/bin/python -m benchmarks.soak [--backend local|mooncake] [--minutes 10] [--quick]
 """
 
 from __future__ import annotations
@@ -28,14 +28,12 @@ from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _engine import ROOT  # noqa: E402
-from _report import arguments, print_markdown, write_results  # noqa: E402
-
-from vllm_aio.devtools.load import (  # noqa: E402
+from benchmarks._engine import ROOT
+from benchmarks._report import arguments, print_markdown, write_results
+from vllm_aio.devtools.load import (
     SERVER_ENV, LoadMix, Outcome, compare, read_metrics, run_load, server_args,
 )
-from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy  # noqa: E402
+from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy
 
 TOLERANCE = 1e-3
 CAUSE = re.compile(r"pool blocks could not be loaded \(([^)]*)\)")

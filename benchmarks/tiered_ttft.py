@@ -24,7 +24,7 @@ Engines are ``benchmarks/_engine.py`` subprocesses (checked as in
 when the local-tier engine loaded anything from the remote tier or the
 remote-tier engine nothing from it.
 
-    .venv/bin/python benchmarks/tiered_ttft.py --models tiny,medium --lengths 1024,2048,4096 --repeats 3
+    .venv/bin/python -m benchmarks.tiered_ttft --models tiny,medium --lengths 1024,2048,4096 --repeats 3
 
 ``--quick``: the tiny model, one 256-token prompt, the two tiers only.
 """
@@ -39,13 +39,11 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _engine import (  # noqa: E402  (benchmarks/ is on sys.path)
+from benchmarks._engine import (
     BLOCK_SIZE, ROOT, EngineFailed, Engines, check_hits, check_loads, chosen, engine_arguments, exit_code,
     make_prompts, summarize, thread_binding, value_bytes)
-from _report import arguments, print_markdown, write_results  # noqa: E402
-from mooncake_ttft import SCRUB_ENV, settle  # noqa: E402
+from benchmarks._report import arguments, print_markdown, write_results
+from benchmarks.mooncake_ttft import SCRUB_ENV, settle
 
 SYSTEMS = ("recompute", "local_tier", "remote_tier", "embedded")
 HITTING = SYSTEMS[1:]

@@ -15,7 +15,7 @@ contiguous buffers), the ceiling of any move on this host. Every region is
 written once untimed first (page faults). Reported: median GB/s (1e9 B/s) of
 ``--repeats``; ``descriptors`` and ``batches`` are what ``plan_batches`` sends.
 
-    .venv/bin/python benchmarks/transport.py
+    .venv/bin/python -m benchmarks.transport
 """
 
 from __future__ import annotations
@@ -23,15 +23,12 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from vllm_aio.devtools.transfer_peer import LOOPBACK, TransferPeer  # noqa: E402
-from vllm_aio.migration.transport import PeerLink, plan_batches  # noqa: E402
-from _report import arguments, print_markdown, write_results  # noqa: E402  (benchmarks/ is on sys.path)
+from vllm_aio.devtools.transfer_peer import LOOPBACK, TransferPeer
+from vllm_aio.migration.transport import PeerLink, plan_batches
+from benchmarks._report import arguments, print_markdown, write_results
 
 KiB, MiB = 1 << 10, 1 << 20
 VALUE_SIZES = (8 * KiB, 64 * KiB, 512 * KiB, 2 * MiB)

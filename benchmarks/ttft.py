@@ -40,7 +40,7 @@ compute 1 token (a like-for-like floor), but ExampleConnector never hits: it
 stores under the hash of its first align(N) tokens and looks up align(N-1)
 ones, which differ exactly when N-1 is a multiple of the block size.
 
-    .venv/bin/python benchmarks/ttft.py --models tiny,medium --lengths 1024,2048,4096 --repeats 3
+    .venv/bin/python -m benchmarks.ttft --models tiny,medium --lengths 1024,2048,4096 --repeats 3
 
 ``--systems`` runs a subset (vllm_aio always); ``--quick``, a smoke test of the
 real path (the tiny model, one 256-token prompt, once), runs vllm_aio alone
@@ -58,12 +58,10 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _engine import (  # noqa: E402  (benchmarks/ is on sys.path)
+from benchmarks._engine import (
     ROOT, EngineFailed, Engines, check_hits, check_loads, chosen, engine_arguments, exit_code, make_prompts,
     plot_ttft, summarize, thread_binding, value_bytes)
-from _report import arguments, print_markdown, progress, write_results  # noqa: E402
+from benchmarks._report import arguments, print_markdown, progress, write_results
 
 POOL_SIZE = "4GB"
 SYSTEMS = ("recompute", "ExampleConnector", "vllm_aio", "prefix-cache")

@@ -7,7 +7,8 @@ they start side by side when the first test runs and their tests wait for
 them (their engines' OpenMP threads unpinned, as the engine tests run theirs), while the
 others run one at a time meanwhile. ``priority`` and ``soak``
 (one engine or server at a time, one torch thread each) then start side by
-side: alone, each kept one of the two cores busy. Under ``CI`` a missing
+side: alone, each kept one of the two cores busy. ``serve`` (a server and
+vLLM's benchmark client, twice) comes last, alone. Under ``CI`` a missing
 prerequisite fails the test, as ``conftest.require`` does, instead of
 skipping it.
 """
@@ -30,7 +31,6 @@ import pytest
 
 from conftest import ROOT, THREADS
 
-BENCHMARKS = ROOT / "benchmarks"
 TIMEOUT_S = 300  # per script, from its start (a guard against hangs)
 # script -> (what it needs beyond torch, the first column of a table it prints)
 SCRIPTS = {
@@ -46,6 +46,7 @@ SCRIPTS = {
     "migration": (("vllm", "mooncake"), "model"),
     "priority": (("vllm",), "system"),  # one engine at a time: run beside the others
     "soak": (("vllm",), "soak"),  # one server at a time, as priority
+    "serve": (("vllm",), "config"),  # two servers one after the other, each with vLLM's client: alone, last
 }
 ENGINE_SCRIPTS = ("ttft", "mooncake_ttft", "migration")
 # Started together when the first of them is tested: after the engine scripts' tests (SCRIPTS' order).
@@ -86,7 +87,7 @@ class Run:
         plot = ["--plot", str(out / f"{script}.png")] if script == PLOTTED else []
         with open(log, "w") as f:
             proc = subprocess.Popen(
-                [sys.executable, str(BENCHMARKS / f"{script}.py"), "--quick", "--json", str(out / f"{script}.json"),
+                [sys.executable, "-m", f"benchmarks.{script}", "--quick", "--json", str(out / f"{script}.json"),
                  *plot],
                 cwd=ROOT, env={**os.environ, **(env or {})}, stdout=f, stderr=subprocess.STDOUT,
                 start_new_session=True)

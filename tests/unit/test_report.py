@@ -7,10 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _report import progress  # noqa: E402
+from benchmarks._report import progress
 
 
 class Terminal(io.StringIO):
