@@ -70,7 +70,7 @@ regions, so the check above applies). Modes, interleaved with the others:
   one ``TransferThread`` (the worker's receiving thread), the forward thread
   waiting on every future;
 * ``vllm_aio bulk``: those loads, then the forward;
-* ``vllm_aio layerwise``: what the worker does with ``use_layerwise``: it
+* ``vllm_aio layerwise``: what the worker does with ``transfer_mode: layerwise``: it
   submits 1 + ``--aio-prefetch`` (1, the config default) layer loads, and
   before layer l's compute takes layer l's future, submits the next layer's
   load (keeping the window full) and waits for the future's result (its

@@ -52,6 +52,7 @@ from types import SimpleNamespace
 from benchmarks._report import arguments, plot, plot_argument, print_markdown, progress, write_results
 from vllm_aio.backends import Backend
 from vllm_aio.backends.local import LocalBackend
+from vllm_aio.config import TransferMode
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.scheduler import AioScheduler
 from vllm_aio.pool.entry import HEADER_BYTES
@@ -116,9 +117,10 @@ class Row:
 def deployment(layers: int, tp: int, layerwise: bool) -> Deployment:
     ns = Namespace(f"bench-{layers}L", "bf16", "auto", BS, "LBHNC", "-", tp, 1, 1, 1, 0, "scale")
     return Deployment(
-        namespace=ns, block_size=BS, layer_names=tuple(f"l{i}" for i in range(layers)), layerwise=layerwise,
-        load_async=False, value_bytes=HEADER_BYTES, load_enabled=True, save_enabled=True, save_decode_cache=False,
-        pool_name="scale", num_kv_heads=KV_HEADS, use_mla=False, buffer_layers=0,
+        namespace=ns, block_size=BS, layer_names=tuple(f"l{i}" for i in range(layers)),
+        transfer_mode=TransferMode.LAYERWISE if layerwise else TransferMode.WHOLE_BLOCKS, value_bytes=HEADER_BYTES,
+        load_enabled=True, save_enabled=True, save_decode_cache=False,
+        pool_name="scale", num_kv_heads=KV_HEADS, use_mla=False,
     )
 
 

@@ -168,19 +168,6 @@ class AioConfig:
                 f"got {self.migration_protocol!r}"
             )
 
-    # The three flags transfer_mode replaced; readers move to transfer_mode.
-    @property
-    def use_layerwise(self) -> bool:
-        return self.transfer_mode is TransferMode.LAYERWISE
-
-    @property
-    def load_async(self) -> bool:
-        return self.transfer_mode is TransferMode.ASYNC
-
-    @property
-    def dynamic_buffer_layers(self) -> int:
-        return self.dynamic_buffer_count if self.transfer_mode is TransferMode.DYNAMIC_BUFFER else 0
-
 
 def _transfer_mode(key: str, value: Any) -> TransferMode:
     if not isinstance(value, str) or value not in TRANSFER_MODES:

@@ -1,7 +1,7 @@
 """End to end on real vLLM (CPU build): the dynamic layer buffer.
 
-A six-layer model runs on two device layer buffers (``dynamic_buffer_layers:
-2``) in KV memory that holds 15 blocks of all six layers: a normal engine fits
+A six-layer model runs on two device layer buffers (``transfer_mode:
+dynamic_buffer``, ``dynamic_buffer_count: 2``) in KV memory that holds 15 blocks of all six layers: a normal engine fits
 one of the four requests at a time, the buffered one plans 45 blocks and runs
 them together. The reference is a normal run given as many blocks as the
 buffered one (``num_gpu_blocks_override``), so both schedule identically: same
@@ -40,7 +40,7 @@ IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _buffer(**extra) -> dict:
-    return aio_config(dynamic_buffer_layers=2, **extra)
+    return aio_config(transfer_mode="dynamic_buffer", dynamic_buffer_count=2, **extra)
 
 
 def _normal_blocks(log: str) -> int:

@@ -36,7 +36,7 @@ def test_a_fully_cached_longest_prompt_loads_every_part_and_a_part_evicted_after
     engine, tiny_model
 ):
     config = aio_config(module="faulty_connector", connector="FaultyAioConnector", local_pool_size="64MB",
-                        use_layerwise=True)
+                        transfer_mode="layerwise")
     cold, warm, evicted = engine.run([[PROMPT]] * 3, config, env={"AIO_FAULT": "evict_after_lookup"}, **LONG)
     assert (cold[0]["cached"], warm[0]["cached"]) == (0, FULL_BLOCKS * BLOCK)
     assert_output_varies(cold)

@@ -18,11 +18,7 @@ def _cached_fraction(result: dict) -> float:
     return result["cached"] / result["prompt_len"]
 
 
-TRANSFER_MODES = {
-    "whole_blocks": {},
-    "layerwise": {"use_layerwise": True},
-    "load_async": {"load_async": True},
-}
+TRANSFER_MODES = {mode: {"transfer_mode": mode} for mode in ("whole_blocks", "layerwise", "async")}
 
 # A second pass served from the pool, in every transfer mode: see
 # test_e2e_shared_prefix.py, which does it with four requests per step.

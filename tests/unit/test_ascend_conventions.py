@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_aio.backends.local import LocalBackend
-from vllm_aio.config import AioConfig
+from vllm_aio.config import AioConfig, TransferMode
 from vllm_aio.connector.block_layout import cache_tensors
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer
@@ -109,12 +109,12 @@ def make_worker():
     def make(kv_caches: dict, backend=None, **options):
         cfg = AioConfig(staging_buffer_size=1 << 20, **options)
         per_layer = block_bytes(kv_caches[LAYERS[0]])
-        layers = 1 if cfg.use_layerwise else len(LAYERS)
+        layers = 1 if cfg.transfer_mode is TransferMode.LAYERWISE else len(LAYERS)
         dep = Deployment(
             namespace=Namespace("m", "bf16", "auto", BLOCK, "NHD", "npu", 1, 1, 1, 1, 0, ""), block_size=BLOCK,
-            layer_names=LAYERS, layerwise=cfg.use_layerwise, load_async=cfg.load_async,
+            layer_names=LAYERS, transfer_mode=cfg.transfer_mode,
             value_bytes=HEADER_BYTES + per_layer * layers, load_enabled=True, save_enabled=True,
-            save_decode_cache=False, pool_name="p", num_kv_heads=2, use_mla=False, buffer_layers=0,
+            save_decode_cache=False, pool_name="p", num_kv_heads=2, use_mla=False,
         )
         backend = backend or LocalBackend(f"asc-{uuid.uuid4().hex[:8]}", 4 << 20, dep.value_bytes, seal=True)
         worker = AioWorker(dep, backend, Ownership(dep.topology(tp_rank=0)), cfg)

@@ -105,16 +105,16 @@ def test_features_that_break_the_layer_order_are_refused(change, message):
 
 
 def test_other_connectors_leave_the_plan_alone():
-    from vllm_aio.buffer.plan import dynamic_buffer_layers
+    from vllm_aio.buffer.plan import buffer_count
 
-    extra = {"dynamic_buffer_layers": 2}
+    extra = {"transfer_mode": "dynamic_buffer", "dynamic_buffer_count": 2}
     other = SimpleNamespace(kv_connector="ExampleConnector", kv_connector_module_path=None,
                             kv_connector_extra_config=extra)
     by_path = SimpleNamespace(kv_connector="AioConnector", kv_connector_module_path="vllm_aio.connector",
                               kv_connector_extra_config=extra)
     by_name = SimpleNamespace(kv_connector="AioConnector", kv_connector_module_path=None,
                               kv_connector_extra_config=extra)
-    assert dynamic_buffer_layers(SimpleNamespace(kv_transfer_config=other)) == 0
-    assert dynamic_buffer_layers(SimpleNamespace(kv_transfer_config=by_path)) == 2
-    assert dynamic_buffer_layers(SimpleNamespace(kv_transfer_config=by_name)) == 2
-    assert dynamic_buffer_layers(SimpleNamespace(kv_transfer_config=None)) == 0
+    assert buffer_count(SimpleNamespace(kv_transfer_config=other)) == 0
+    assert buffer_count(SimpleNamespace(kv_transfer_config=by_path)) == 2
+    assert buffer_count(SimpleNamespace(kv_transfer_config=by_name)) == 2
+    assert buffer_count(SimpleNamespace(kv_transfer_config=None)) == 0

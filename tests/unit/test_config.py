@@ -272,16 +272,6 @@ def test_a_mode_given_as_a_string_to_the_dataclass_becomes_the_mode():
         AioConfig(transfer_mode="bulk")
 
 
-@pytest.mark.parametrize(
-    ("mode", "flags"),
-    [("whole_blocks", (False, False, 0)), ("layerwise", (True, False, 0)), ("async", (False, True, 0)),
-     ("dynamic_buffer", (False, False, 3))],
-)
-def test_the_replaced_flags_are_read_from_the_mode(mode, flags):
-    cfg = parse({"transfer_mode": mode, **({"dynamic_buffer_count": 3} if mode == "dynamic_buffer" else {})})
-    assert (cfg.use_layerwise, cfg.load_async, cfg.dynamic_buffer_layers) == flags
-
-
 def test_dynamic_buffer_count_defaults_to_two_buffers():
     assert parse({"transfer_mode": "dynamic_buffer"}).dynamic_buffer_count == 2
 
@@ -351,7 +341,8 @@ def test_a_replaced_key_contradicting_transfer_mode_fails_naming_both(extra, key
 
 
 def test_a_replaced_key_agreeing_with_transfer_mode_is_accepted():
-    assert parse({"transfer_mode": "layerwise", "use_layerwise": True, "load_async": False}).use_layerwise
+    cfg = parse({"transfer_mode": "layerwise", "use_layerwise": True, "load_async": False})
+    assert cfg.transfer_mode is TransferMode.LAYERWISE
 
 
 def test_dynamic_buffer_layers_contradicting_dynamic_buffer_count_fails_naming_both():

@@ -165,14 +165,16 @@ def test_a_hybrid_model_has_a_namespace_of_its_own() -> None:
 
 def test_a_hybrid_model_loads_in_the_background() -> None:
     # vLLM 0.32 takes a failed load of several groups per request, for background loads only.
-    assert _hybrid(transfer_mode="whole_blocks").load_async
+    from vllm_aio.config import TransferMode
+
+    assert _hybrid(transfer_mode="whole_blocks").transfer_mode is TransferMode.ASYNC
 
 
 @pytest.mark.parametrize(
     ("option", "reason"),
     [
-        ({"transfer_mode": "layerwise"}, "use_layerwise is not supported with a hybrid model"),
-        ({"transfer_mode": "dynamic_buffer"}, "dynamic_buffer_layers is not supported with a hybrid model.*one group"),
+        ({"transfer_mode": "layerwise"}, "transfer_mode layerwise is not supported with a hybrid model"),
+        ({"transfer_mode": "dynamic_buffer"}, "transfer_mode dynamic_buffer is not supported with a hybrid model.*one group"),
         ({"migration": True}, "migration is not supported with a hybrid model"),
         ({"kv_events_config": SimpleNamespace(enable_kv_cache_events=True)}, "kv_events_config is not supported"),
     ],
@@ -184,7 +186,7 @@ def test_features_naming_one_groups_blocks_are_refused_for_a_hybrid_model(option
         _hybrid(**option)
 
 
-@pytest.mark.parametrize(("option", "config"), [("dynamic_buffer_layers", {"transfer_mode": "dynamic_buffer"}),
+@pytest.mark.parametrize(("option", "config"), [("transfer_mode dynamic_buffer", {"transfer_mode": "dynamic_buffer"}),
                                                 ("migration", {"migration": True})])
 def test_features_naming_every_block_are_refused_with_a_sliding_window(option, config) -> None:
     from vllm_aio.config import AioConfig, ConfigError

@@ -6,13 +6,14 @@ import dataclasses
 
 from test_scheduler import deployment
 
+from vllm_aio.config import TransferMode
 from vllm_aio.connector.deployment import CacheGroup
 from vllm_aio.connector.keying import PoolKeying
 from vllm_aio.pool.ownership import Ownership
 
 
 def test_parts_name_every_shard_and_unit_of_the_deployment():
-    dep = deployment(tp=2, layerwise=True)
+    dep = deployment(tp=2, transfer_mode=TransferMode.LAYERWISE)
     parts = PoolKeying(dep).parts
     assert parts.namespace_digest == dep.namespace.digest()
     assert parts.shards == tuple(Ownership(dep.topology()).all_shard_ids())

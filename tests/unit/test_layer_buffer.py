@@ -337,5 +337,5 @@ def test_caches_vllm_did_not_lay_out_for_the_buffer_are_refused():
     # stream nothing and the engine would run on a third of the blocks, silently.
     names = [f"layer.{i}" for i in range(4)]
     own = {n: torch.zeros(NUM_BLOCKS, *PAGE, dtype=torch.bfloat16) for n in names}
-    with pytest.raises(ValueError, match="dynamic_buffer_layers: layer layer.2 is not the memory of buffer 0"):
+    with pytest.raises(ValueError, match="transfer_mode dynamic_buffer: layer layer.2 is not the memory of buffer 0"):
         LayerBuffer(own, names, NUM_BLOCKS, 2, 1 << 20)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from vllm_aio.backends.local import LocalBackend
-from vllm_aio.config import AioConfig
+from vllm_aio.config import AioConfig, TransferMode
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.scheduler import AioScheduler
 from vllm_aio.connector.worker import AioWorker
@@ -69,9 +69,9 @@ def halves():
     """(scheduler, worker, KV cache, the worker's backend) over one pool with room for the prompt and a little more."""
     ns = Namespace("m", "bf16", "auto", BS, "LBHNC", "amx", 1, 1, 1, 1, 0, "")
     dep = Deployment(
-        namespace=ns, block_size=BS, layer_names=LAYERS, layerwise=True, load_async=False,
+        namespace=ns, block_size=BS, layer_names=LAYERS, transfer_mode=TransferMode.LAYERWISE,
         value_bytes=HEADER_BYTES + PAGE_BYTES, load_enabled=True, save_enabled=True, save_decode_cache=False,
-        pool_name="p", num_kv_heads=1, use_mla=False, buffer_layers=0,
+        pool_name="p", num_kv_heads=1, use_mla=False,
     )
     name, pool_bytes = f"long-{uuid.uuid4().hex[:8]}", (PROMPT_BLOCKS * len(LAYERS) + 64) * dep.value_bytes
     scheduler = AioScheduler(dep, LocalBackend(name, pool_bytes, dep.value_bytes, seal=False))

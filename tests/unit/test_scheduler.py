@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from vllm_aio.config import TransferMode
 from vllm_aio.backends import Backend, Status
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.leases import LEASE_MIN_SECONDS
@@ -73,13 +74,14 @@ def block_hash(req_id: str, index: int) -> bytes:
 
 def deployment(
     tp: int = 1, load: bool = True, save: bool = True, decode: bool = False, heads: int = 8,
-    layerwise: bool = False, load_async: bool = False, buffer_layers: int = 0,
+    transfer_mode: TransferMode = TransferMode.WHOLE_BLOCKS, buffer_count: int = 0,
 ) -> Deployment:
     ns = Namespace("m", "bf16", "auto", BS, "LBHNC", "amx", tp, 1, 1, 1, 0, "")
     return Deployment(
-        namespace=ns, block_size=BS, layer_names=("l0", "l1"), layerwise=layerwise, load_async=load_async,
+        namespace=ns, block_size=BS, layer_names=("l0", "l1"),
         value_bytes=64, load_enabled=load, save_enabled=save, save_decode_cache=decode, pool_name="p",
-        num_kv_heads=heads, use_mla=False, buffer_layers=buffer_layers,
+        num_kv_heads=heads, use_mla=False, transfer_mode=transfer_mode,
+        buffer_count=buffer_count,
     )
 
 
@@ -417,7 +419,7 @@ def test_transfers_carry_the_request_position_of_their_first_block():
 
 
 def test_layerwise_hit_needs_every_layer_of_a_block():
-    backend, dep = DictBackend(), deployment(layerwise=True)
+    backend, dep = DictBackend(), deployment(transfer_mode=TransferMode.LAYERWISE)
     req = Req("a", 20)
     for h in req.block_hashes[:4]:
         for layer in (0, 1):
@@ -427,7 +429,7 @@ def test_layerwise_hit_needs_every_layer_of_a_block():
 
 
 def test_async_loads_are_announced_as_asynchronous():
-    backend, dep = DictBackend(), deployment(load_async=True)
+    backend, dep = DictBackend(), deployment(transfer_mode=TransferMode.ASYNC)
     req = Req("a", 20)
     store(backend, dep, req, 4)
     assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (16, True)
@@ -453,7 +455,7 @@ def test_readmitted_request_is_not_counted_as_a_second_miss():
 
 
 def test_buffer_step_loads_blocks_with_earlier_tokens_and_writes_back_every_block_written():
-    sched = AioScheduler(deployment(buffer_layers=2), DictBackend())
+    sched = AioScheduler(deployment(transfer_mode=TransferMode.DYNAMIC_BUFFER, buffer_count=2), DictBackend())
     a, b = Req("a", 18), Req("b", 9)
     sched.update_state_after_alloc(a, blocks([7, 8, 9]), 0)
     sched.update_state_after_alloc(b, blocks([3, 4, 5]), 0)
@@ -470,7 +472,7 @@ def test_buffer_step_loads_blocks_with_earlier_tokens_and_writes_back_every_bloc
 
 
 def test_buffer_step_of_a_decode_loads_its_context_up_to_the_new_token():
-    sched = AioScheduler(deployment(buffer_layers=2), DictBackend())
+    sched = AioScheduler(deployment(transfer_mode=TransferMode.DYNAMIC_BUFFER, buffer_count=2), DictBackend())
     a = Req("a", 8)
     sched.update_state_after_alloc(a, blocks([7, 8]), 0)
     sched.build_connector_meta(step(new=[("a", [7, 8], 0)], scheduled={"a": 8}))
@@ -483,7 +485,7 @@ def test_buffer_step_of_a_decode_loads_its_context_up_to_the_new_token():
 
 
 def _resident_scheduler(slots: int = 4) -> AioScheduler:
-    dep = dataclasses.replace(deployment(buffer_layers=2), priority_cutoffs=(0,), resident_blocks=slots)
+    dep = dataclasses.replace(deployment(transfer_mode=TransferMode.DYNAMIC_BUFFER, buffer_count=2), priority_cutoffs=(0,), resident_blocks=slots)
     return AioScheduler(dep, DictBackend())
 
 

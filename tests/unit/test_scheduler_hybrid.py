@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from test_scheduler import BS, DictBackend, Req, deployment, shards
 
+from vllm_aio.config import TransferMode
 from vllm_aio.connector.deployment import CacheGroup, Deployment
 from vllm_aio.connector.scheduler import AioScheduler
 from vllm_aio.pool.keys import block_key, group_block_hashes
@@ -19,7 +20,7 @@ SLIDING, FULL = 0, 1
 
 def hybrid(**options) -> Deployment:
     groups = (CacheGroup(("l0", "l2"), WINDOW), CacheGroup(("l1", "l3")))
-    return dataclasses.replace(deployment(**options), groups=groups, load_async=True)
+    return dataclasses.replace(deployment(**options), groups=groups, transfer_mode=TransferMode.ASYNC)
 
 
 def store(backend: DictBackend, dep: Deployment, req: Req, group: int, indices) -> None:

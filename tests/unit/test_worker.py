@@ -12,7 +12,7 @@ import torch
 
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
-from vllm_aio.config import AioConfig
+from vllm_aio.config import AioConfig, TransferMode
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, LookupCounts
 from vllm_aio.connector.worker import AioWorker
@@ -50,11 +50,11 @@ def make_worker():
 
 def deployment(cfg: AioConfig, tp_size: int = 1, heads: int = 4, salt: str = "") -> Deployment:
     ns = Namespace("m", "bf16", "auto", 8, "LBHNC", "amx", tp_size, 1, 1, 1, 0, salt)
-    layers = 1 if cfg.use_layerwise else len(LAYERS)
+    layers = 1 if cfg.transfer_mode is TransferMode.LAYERWISE else len(LAYERS)
     return Deployment(
-        namespace=ns, block_size=8, layer_names=LAYERS, layerwise=cfg.use_layerwise, load_async=cfg.load_async,
+        namespace=ns, block_size=8, layer_names=LAYERS, transfer_mode=cfg.transfer_mode,
         value_bytes=HEADER_BYTES + PAGE_BYTES * layers, load_enabled=True, save_enabled=True,
-        save_decode_cache=False, pool_name="p", num_kv_heads=heads, use_mla=False, buffer_layers=0,
+        save_decode_cache=False, pool_name="p", num_kv_heads=heads, use_mla=False,
     )
 
 

@@ -179,7 +179,7 @@ def check_buffers_shared(caches: Mapping[str, torch.Tensor], layer_names: Sequen
     for name in layer_names:
         if not isinstance(caches[name], torch.Tensor):
             raise ValueError(
-                f"dynamic_buffer_layers: layer {name}'s KV cache is {type(caches[name]).__name__} of tensors, as "
+                f"transfer_mode dynamic_buffer: layer {name}'s KV cache is {type(caches[name]).__name__} of tensors, as "
                 "vllm-ascend's NPU runner allocates it; the buffer lays out vLLM's own allocation (one tensor a "
                 "layer), which vllm-ascend replaces: use another transfer mode there"
             )
@@ -187,7 +187,7 @@ def check_buffers_shared(caches: Mapping[str, torch.Tensor], layer_names: Sequen
         first = layer_names[i % buffers]
         if caches[name].data_ptr() != caches[first].data_ptr():
             raise ValueError(
-                f"dynamic_buffer_layers: layer {name} is not the memory of buffer {i % buffers} ({first}): "
+                f"transfer_mode dynamic_buffer: layer {name} is not the memory of buffer {i % buffers} ({first}): "
                 "vLLM did not re-plan its KV cache for the buffer. The vllm_aio_buffer_plan plugin does, "
                 "in every vLLM process, when the package is installed and, with VLLM_PLUGINS set, that "
                 "list names vllm_aio_buffer_plan"

@@ -77,16 +77,16 @@ def open_buffer(dep: Deployment, staging_bytes: int, kv_caches: Mapping[str, Any
     """The buffer's participant for the registered ``kv_caches``: refuses, here at start, a vLLM
     without the internals it needs and attention backends its resident blocks cannot remap
     (``vllm_config``: where the attention layers are found)."""
-    if not dep.buffer_layers:
+    if not dep.buffer_count:
         return NoBuffer(kv_caches, num_blocks)
-    vllm_compat.require_buffer_internals("dynamic_buffer_layers")
+    vllm_compat.require_buffer_internals("transfer_mode dynamic_buffer")
     if dep.resident_blocks:
         check_backends(vllm_compat.attention_backends(vllm_config, kv_caches))
-    buffer = LayerBuffer(kv_caches, dep.layer_names, num_blocks, dep.buffer_layers, staging_bytes,
+    buffer = LayerBuffer(kv_caches, dep.layer_names, num_blocks, dep.buffer_count, staging_bytes,
                          resident_blocks=dep.resident_blocks, block_tokens=dep.block_size)
     logger.info(
         "vllm_aio: dynamic buffer: %d layers on %d device buffers; host copy of every layer %.2f GiB%s",
-        len(dep.layer_names), dep.buffer_layers, buffer.host_bytes / 2**30,
+        len(dep.layer_names), dep.buffer_count, buffer.host_bytes / 2**30,
         "" if buffer.device.is_host else " (page-locked)",
     )
     return BufferHooks(buffer, dep.layer_names)

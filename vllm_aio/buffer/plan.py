@@ -1,4 +1,4 @@
-"""Re-plans vLLM's KV cache for ``dynamic_buffer_layers``: L layers on S buffers.
+"""Re-plans vLLM's KV cache for ``transfer_mode: dynamic_buffer``: L layers on S buffers.
 
 vLLM sizes its KV cache in ``get_kv_cache_configs`` (v1/core/kv_cache_utils.py):
 blocks = memory / (page x L). With the dynamic buffer only S layer buffers
@@ -14,12 +14,12 @@ With ``dynamic_buffer_resident_blocks`` (P), each buffer also holds P private
 blocks for every layer placed on it (``private_blocks``: P x ceil(L/S) past
 vLLM's blocks, so the plan's blocks per buffer stay what memory allows): the
 workers' views cover them, and the scheduler's block pool is that many blocks
-smaller, so vLLM never hands them out (``connector/residency.py`` does).
+smaller, so vLLM never hands them out (``buffer/residency.py`` does).
 
 This module is a ``vllm.general_plugins`` entry point (see setup.py): vLLM
 calls ``register`` in each of its processes before the KV cache is planned.
 It changes nothing unless the AioConnector is configured with
-``dynamic_buffer_layers`` >= 2.
+``transfer_mode: dynamic_buffer`` (S is ``dynamic_buffer_count``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_aio import vllm_compat
-from vllm_aio.config import AioConfig, ConfigError, parse_extra_config
+from vllm_aio.config import AioConfig, ConfigError, TransferMode, parse_extra_config
 from vllm_aio.log import get_logger
 from vllm_aio.registration import selects_aio
 
@@ -44,15 +44,15 @@ def register() -> None:
 def _planner(original: Callable) -> Callable:
     def plan(vllm_config, kv_cache_specs, available_memory):
         cfg = _aio_config(vllm_config)
-        buffers = cfg.dynamic_buffer_layers if cfg is not None else 0
+        buffers = _count(cfg)
         if not buffers:
             return original(vllm_config, kv_cache_specs, available_memory)
         refuse_unsupported(vllm_config)
         num_layers = max(len(specs) for specs in kv_cache_specs)
         if buffers >= num_layers:
             raise ConfigError(
-                f"dynamic_buffer_layers: {buffers} buffers for a model of {num_layers} layers saves nothing; "
-                f"use 2..{num_layers - 1} or 0 (off)"
+                f"dynamic_buffer_count: {buffers} buffers for a model of {num_layers} layers saves nothing; "
+                f"use 2..{num_layers - 1}"
             )
         scaled = [memory * num_layers // buffers for memory in available_memory]
         configs = [alias_layers(c, buffers) for c in original(vllm_config, kv_cache_specs, scaled)]
@@ -82,10 +82,15 @@ def _scheduler_view(original: Callable) -> Callable:
     return scheduler_view
 
 
-def dynamic_buffer_layers(vllm_config: Any) -> int:
+def buffer_count(vllm_config: Any) -> int:
     """S from the AioConnector's extra config; 0 when off or another connector runs."""
-    cfg = _aio_config(vllm_config)
-    return cfg.dynamic_buffer_layers if cfg is not None else 0
+    return _count(_aio_config(vllm_config))
+
+
+def _count(cfg: AioConfig | None) -> int:
+    if cfg is None or cfg.transfer_mode is not TransferMode.DYNAMIC_BUFFER:
+        return 0
+    return cfg.dynamic_buffer_count
 
 
 def _aio_config(vllm_config: Any) -> AioConfig | None:
@@ -118,33 +123,33 @@ def refuse_unsupported(vllm_config: Any) -> None:
     mode = vllm_config.compilation_config.cudagraph_mode
     if mode is not None and mode.has_full_cudagraphs():
         raise ConfigError(
-            f"dynamic_buffer_layers: cudagraph_mode {mode.name} replays whole forwards without the per-layer "
+            f"transfer_mode dynamic_buffer: cudagraph_mode {mode.name} replays whole forwards without the per-layer "
             "hooks the buffer needs; use PIECEWISE or NONE"
         )
     if vllm_config.speculative_config is not None:
-        raise ConfigError("dynamic_buffer_layers: speculative decoding (draft layers) is not supported")
+        raise ConfigError("transfer_mode dynamic_buffer: speculative decoding (draft layers) is not supported")
     if getattr(vllm_config.parallel_config, "enable_dbo", False):
-        raise ConfigError("dynamic_buffer_layers: micro-batching (enable_dbo) is not supported")
+        raise ConfigError("transfer_mode dynamic_buffer: micro-batching (enable_dbo) is not supported")
 
 
 def alias_layers(config: Any, buffers: int) -> Any:
     """Put layer ``l`` of the single layer-outermost tensor on buffer ``l % buffers``."""
     if len(config.kv_cache_groups) != 1:
         raise ConfigError(
-            f"dynamic_buffer_layers: hybrid models are not supported ({len(config.kv_cache_groups)} KV cache "
+            f"transfer_mode dynamic_buffer: hybrid models are not supported ({len(config.kv_cache_groups)} KV cache "
             "groups): vLLM overlays the groups' layers in shared tensors, and the buffer's layer ring would have "
             "to stream the layers of every group that owns a block of the step; run it without the buffer"
         )
     if len(config.kv_cache_tensors) != 1:
         raise ConfigError(
-            "dynamic_buffer_layers: needs a model with one KV cache group of one layer shape "
+            "transfer_mode dynamic_buffer: needs a model with one KV cache group of one layer shape "
             f"(got {len(config.kv_cache_tensors)} tensors)"
         )
     (tensor,) = config.kv_cache_tensors
     region = tensor.layer_stride
     if tensor.offset != 0 or tensor.block_stride * config.num_blocks > region:
         raise ConfigError(
-            "dynamic_buffer_layers: needs a layer-outermost KV cache layout (each layer one region); "
+            "transfer_mode dynamic_buffer: needs a layer-outermost KV cache layout (each layer one region); "
             "set VLLM_KV_CACHE_LAYOUT to a layer-outermost layout"
         )
     layers = [

@@ -86,4 +86,4 @@ class NoBuffer:
 
 def buffer_planner(deployment: Deployment) -> BufferPlanner | NoBuffer:
     """The planner of ``deployment``'s transfer mode, chosen once."""
-    return BufferPlanner(deployment) if deployment.buffer_layers else NoBuffer()
+    return BufferPlanner(deployment) if deployment.buffer_count else NoBuffer()

@@ -150,7 +150,7 @@ class RowSwaps:
         self._device, self._host, self._device_side, self._stream = device, host, device_side, stream
         self._launches = None
         if device.torch_device.type == "cuda" and link_copy.available():
-            vllm_compat.require_triton_launcher("dynamic_buffer_layers")
+            vllm_compat.require_triton_launcher("transfer_mode dynamic_buffer")
             with device.on(stream):
                 handle = torch.cuda.current_stream(device.torch_device).cuda_stream
             self._launches = SwapLaunches(host, device_side, handle)

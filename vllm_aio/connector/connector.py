@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm_aio import vllm_compat
 from vllm_aio.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
 from vllm_aio.backends import Backend, create_backend
-from vllm_aio.config import parse_extra_config
+from vllm_aio.config import TransferMode, parse_extra_config
 from vllm_aio.connector.deployment import build_deployment
 from vllm_aio.connector.events import KVEvents
 from vllm_aio.connector.metadata import AioConnectorMetadata
@@ -243,9 +243,11 @@ def _describe_groups(dep) -> str:
 
 
 def _transfer_mode(cfg, dep) -> str:
-    if cfg.use_layerwise:
+    if dep.transfer_mode is TransferMode.LAYERWISE:
         return f"layerwise(prefetch={cfg.layerwise_prefetch_layers})"
-    return "async" if dep.load_async else "per-block"
+    if dep.transfer_mode is TransferMode.DYNAMIC_BUFFER:
+        return f"dynamic_buffer(count={dep.buffer_count})"
+    return str(dep.transfer_mode)
 
 
 def _log_start(cfg, dep, transfer, backend) -> None:

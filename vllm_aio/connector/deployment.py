@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_aio import vllm_compat
-from vllm_aio.config import AioConfig, ConfigError
+from vllm_aio.config import AioConfig, ConfigError, TransferMode
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Namespace, Unit
 from vllm_aio.pool.ownership import Topology
@@ -54,9 +54,6 @@ class Deployment:
     namespace: Namespace
     block_size: int  # tokens per block, as hashed by vLLM
     layer_names: tuple[str, ...]
-    layerwise: bool  # one value per (block, layer) instead of per block
-    load_async: bool  # loads finish before the request is scheduled
-    buffer_layers: int  # device layer buffers of the dynamic buffer; 0: off
     value_bytes: int  # one stored value: header + one rank's block of one or all layers
     load_enabled: bool
     save_enabled: bool
@@ -66,6 +63,10 @@ class Deployment:
     use_mla: bool
     priority_cutoffs: tuple[int, ...] = ()  # AioConfig.priority_cutoffs
     resident_blocks: int = 0  # AioConfig.dynamic_buffer_resident_blocks
+    # AioConfig.transfer_mode as this deployment runs it: a hybrid model's whole-block
+    # loads run async (see deployment()).
+    transfer_mode: TransferMode = TransferMode.WHOLE_BLOCKS
+    buffer_count: int = 0  # device buffers of the dynamic buffer; 0: off
     # vLLM's KV cache groups. With more than one (hybrid attention), ``layer_names``
     # are group 0's: every group's i-th layer aliases the same cache memory
     # (``AioWorker`` checks), so a block's bytes are read the same through any group.
@@ -81,7 +82,7 @@ class Deployment:
 
     def units(self) -> list[Unit]:
         """The layer sets stored as one value each, in layer order."""
-        if self.layerwise:
+        if self.transfer_mode is TransferMode.LAYERWISE:
             return [Unit((i,), i) for i in range(len(self.layer_names))]
         return [Unit(tuple(range(len(self.layer_names))), None)]
 
@@ -131,12 +132,10 @@ def build_deployment(
         namespace=namespace,
         block_size=block_size,
         layer_names=layers,
-        layerwise=cfg.use_layerwise,
-        # vLLM 0.32 takes a failed load of a model with several KV cache groups
-        # only per request, for loads finished before the request is scheduled.
-        load_async=cfg.load_async or len(groups) > 1,
-        buffer_layers=cfg.dynamic_buffer_layers,
-        value_bytes=HEADER_BYTES + spec.page_size_bytes * (1 if cfg.use_layerwise else len(layers)),
+        transfer_mode=_effective_mode(cfg.transfer_mode, len(groups)),
+        buffer_count=cfg.dynamic_buffer_count if cfg.transfer_mode is TransferMode.DYNAMIC_BUFFER else 0,
+        value_bytes=HEADER_BYTES + spec.page_size_bytes * (
+            1 if cfg.transfer_mode is TransferMode.LAYERWISE else len(layers)),
         load_enabled=role == "kv_both" or (role == "kv_consumer" and cfg.consumer_is_to_load),
         save_enabled=role in ("kv_both", "kv_producer")
         or (role == "kv_consumer" and cfg.consumer_is_to_put),
@@ -209,10 +208,12 @@ def _check_features(
             )
     events = vllm_config.kv_events_config
     refused = {
-        "use_layerwise": (hybrid and cfg.use_layerwise, "its loads run inside the forward, where vLLM 0.32 "
-                          "cannot take a failed block of a model with several KV cache groups"),
-        "dynamic_buffer_layers": (cfg.dynamic_buffer_layers, "its KV cache plan has one group of one tensor, and "
-                                  "it streams every block of a request"),
+        "transfer_mode layerwise": (hybrid and cfg.transfer_mode is TransferMode.LAYERWISE,
+                                    "its loads run inside the forward, where vLLM 0.32 cannot take a failed "
+                                    "block of a model with several KV cache groups"),
+        "transfer_mode dynamic_buffer": (cfg.transfer_mode is TransferMode.DYNAMIC_BUFFER,
+                                         "its KV cache plan has one group of one tensor, and it streams every "
+                                         "block of a request"),
         "migration": (cfg.migration, "a flush and a transfer name every block of one group"),
         "kv_events_config": (hybrid and bool(events and events.enable_kv_cache_events),
                              "announced blocks are one group's (vLLM's block hashes)"),
@@ -264,3 +265,11 @@ def _attention_isa(vllm_config: "VllmConfig", spec) -> str:
         )
     except (NotImplementedError, AttributeError):
         return "cpu"
+
+
+def _effective_mode(mode: TransferMode, num_groups: int) -> TransferMode:
+    # vLLM 0.32 takes a failed load of a model with several KV cache groups only
+    # per request, for loads finished before the request is scheduled.
+    if num_groups > 1 and mode is TransferMode.WHOLE_BLOCKS:
+        return TransferMode.ASYNC
+    return mode

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm_aio.config import TransferMode
 from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.keying import PoolKeying
 from vllm_aio.connector.leases import Leases
@@ -64,7 +65,7 @@ class LoadPlanner:
             self._plans.pop(request.request_id, None)
             return 0, False
         self._plans[request.request_id] = _Plan(num_computed_tokens, hit_tokens)
-        return new_tokens, self._dep.load_async
+        return new_tokens, self._dep.transfer_mode is TransferMode.ASYNC
 
     def admit(self, request: "Request", block_ids: "tuple[list[int], ...]", num_external_tokens: int,
               counted: bool) -> list[tuple[int, int]] | None:

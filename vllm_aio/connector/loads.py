@@ -10,7 +10,7 @@
   ``wait_for_layer(i)`` waits for layer i alone and queues the next, so layer
   i+1 arrives while layer i computes. A layer past ``transfer_timeout`` fails
   the whole step's loads at once (not layer by layer).
-* ``InBackground`` (``load_async``): whole prefixes load on the receiving thread
+* ``InBackground`` (``transfer_mode: async``): whole prefixes load on the receiving thread
   while vLLM keeps the requests waiting; ``finished`` reports them.
 
 Every outcome goes to ``LoadReport``: blocks that could not be loaded (missing,

@@ -84,7 +84,7 @@ class AioConnectorMetadata:
     # step writes the KV cache, since vLLM may give them to another request now.
     rescues: list[BlockTransfer] = field(default_factory=list)
     lookups: LookupCounts = field(default_factory=LookupCounts)
-    buffer: BufferStep | None = None  # with dynamic_buffer_layers
+    buffer: BufferStep | None = None  # with transfer_mode dynamic_buffer
     # The key namespace of this step's loads and saves: it changes at runtime
     # with the weight version (``PoolKeying.set_weight_version``).
     namespace_digest: str = ""

@@ -26,7 +26,7 @@ from typing import Any
 
 from vllm_aio.backends import Backend
 from vllm_aio.buffer.participant import BufferHooks, NoBuffer, open_buffer
-from vllm_aio.config import AioConfig
+from vllm_aio.config import AioConfig, TransferMode
 from vllm_aio.connector.block_io import BlockIO, open_block_io
 from vllm_aio.connector.block_layout import LayerCache, check_groups_alias
 from vllm_aio.connector.deployment import Deployment
@@ -93,16 +93,17 @@ class AioWorker:
 
     def _choose_loads(self) -> Loads:
         common = (self._io, self._owner, self._units, self._recv, self._report, self._cfg.transfer_timeout)
-        if self._dep.buffer_layers:
+        mode = self._dep.transfer_mode
+        if mode is TransferMode.DYNAMIC_BUFFER:
             return BeforeBuffer(*common)
-        if self._dep.layerwise:
+        if mode is TransferMode.LAYERWISE:
             layers = list(self._dep.layer_names)
             return Layerwise(*common, layer_names=layers, prefetch=self._cfg.layerwise_prefetch_layers)
-        return InBackground(*common) if self._dep.load_async else BeforeForward(*common)
+        return InBackground(*common) if mode is TransferMode.ASYNC else BeforeForward(*common)
 
     def _choose_saves(self) -> Saves:
         common = (self._io, self._owner, self._units, self._send, self._add_stats, self._cfg.transfer_timeout)
-        if self._dep.layerwise:
+        if self._dep.transfer_mode is TransferMode.LAYERWISE:
             return LayerwiseSaves(*common, settled=self._settled, layer_names=list(self._dep.layer_names))
         return WholeBlockSaves(*common, settled=self._settled)
 

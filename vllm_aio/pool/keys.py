@@ -13,7 +13,7 @@ A key is ``aio:{namespace}:{shard}:{block hash}[:L{layer}]``:
 * the block hash is vLLM's chained ``request.block_hashes`` entry, so a key
   identifies the whole prefix up to and including that block; a hybrid
   model's groups append their index to it (``group_block_hashes``).
-* with layerwise transfer (``use_layerwise``) each layer of a block is a value
+* with layerwise transfer (``transfer_mode: layerwise``) each layer of a block is a value
   of its own, keyed ``...:{block hash}:L{layer}``.
 
 A block is thus stored as several *parts*, one value per shard and unit
