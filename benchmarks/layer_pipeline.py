@@ -76,7 +76,7 @@ regions, so the check above applies). Modes, interleaved with the others:
   load (keeping the window full) and waits for the future's result (its
   ``wait_for_layer_load``: ``future.result()``).
 
-What each real load does, per layer (``BlockIO._load_through_staging``): one
+What each real load does, per layer (``StagedPath._load_chunk``): one
 page-locked staging slice for the whole layer batch (blocks x (64 KiB + a
 64-byte header)); ``LocalBackend.batch_get`` memcpys the values from the pool
 into it (on the transfer thread, on up to 8 copy threads); the headers are

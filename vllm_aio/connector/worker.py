@@ -16,7 +16,7 @@ loads that the buffer needs, then the buffer's first layers),
 ``start_load_kv``, per layer ``wait_for_layer_load`` and ``save_kv_layer``,
 ``wait_for_save`` (the buffer's write-backs, then saves copied out of the
 cache), then ``get_finished`` and ``get_block_ids_with_load_errors``. The
-copies themselves are ``block_io.py``'s.
+copies themselves are ``block_io/``'s.
 """
 
 from __future__ import annotations
