@@ -81,6 +81,8 @@ QUICK = Workload(num_prefixes=2, prefix_len=256, suffix_len=32, output_len=4, nu
 
 @dataclass(frozen=True)
 class Config:
+    """One server to measure: its device KV size (the scenario's), vLLM's prefix cache, AioConnector or not."""
+
     name: str
     scenario: str
     prefix_cache: bool
