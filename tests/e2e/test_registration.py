@@ -48,7 +48,7 @@ def test_other_connectors_resolve_as_before(factory):
 
 
 def test_subclasses_of_the_connector_in_other_modules_count_as_ours(factory):
-    # The dynamic buffer's plan (buffer_plan.py) runs for them too: the tests' fault-injecting
+    # The dynamic buffer's plan (buffer/plan.py) runs for them too: the tests' fault-injecting
     # connector once ran its buffer over caches vLLM never laid out for it.
     from vllm_aio.registration import selects_aio
 

@@ -64,7 +64,7 @@ class LookupCounts:
 
 @dataclass
 class BufferStep:
-    """What one step needs from the dynamic buffer (``layer_buffer.py``)."""
+    """What one step needs from the dynamic buffer (``buffer/layer_buffer.py``)."""
 
     resident: list[int] = field(default_factory=list)  # blocks holding K/V from before the step (loaded)
     written: list[int] = field(default_factory=list)  # blocks the step writes new K/V into (written back)
