@@ -73,7 +73,7 @@ is); LayerBuffer allocates its own page-locked host copy of every layer
 step, exactly as the worker calls it: ``begin_step(BufferStep(resident,
 written))``, then for each layer l: the layer's KV write + compute,
 ``layer_done(l)``, ``before_layer(l + 1)``; then ``end_step()``. The
-BufferStep is what the scheduler half sends (``scheduler._buffer_step``):
+BufferStep is what the scheduler half sends (``buffer/planner.py`` ``BufferPlanner.step``):
 ``resident`` = the blocks holding tokens before the step's first new token
 (the same bytes as the idealised pipeline loads), ``written`` = the step's
 new blocks. ``--real-resident every`` passes every block of the request
