@@ -278,6 +278,7 @@ PROMPTS = {
     "small_pool": make_prompts(4, [900, 1100, 1300]),
     "faults": make_prompts(5, [800, 1200]),
     "tp2": make_prompts(6, [900, 1300]),
+    "poison": make_prompts(7, [1120]),  # its first 640 tokens stored first (test_e2e_pool.py)
 }
 
 

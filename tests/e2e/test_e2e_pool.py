@@ -6,6 +6,8 @@ prefix cache is off in every run, so a cached token can only come from the pool.
 
 from __future__ import annotations
 
+import ctypes
+import time
 import uuid
 
 import pytest
@@ -78,6 +80,43 @@ def test_unreported_garbage_changes_the_output(engine, baseline):
     assert_same_generation(cold, baseline["faults"])
     with pytest.raises(AssertionError):
         assert_same_generation(warm, baseline["faults"])
+
+
+def test_kv_computed_over_a_block_that_failed_to_load_is_never_stored(engine, baseline, tiny_model):
+    """A step over blocks that failed to load computes wrong KV for the rest of the prompt. vLLM
+    recomputes the request's output, but had the pool kept that KV, a later request would load it
+    once the failed blocks were readable again."""
+    from vllm_aio.pool.entry import HEADER_BYTES
+    from vllm_aio.pool.host_pool import SharedHostPool
+
+    (prompt,) = PROMPTS["poison"]
+    prefix = prompt[:640]  # 20 blocks: stored in round 1, refused in round 2, readable in round 3
+    name = f"poison-{uuid.uuid4().hex[:8]}"
+    holder = SharedHostPool(name, block_value_bytes(tiny_model), 4096)
+    headers: dict[int, bytes] = {}
+
+    def between_rounds(i: int) -> None:
+        if i == 1:  # the prefix's 20 values, the pool's first slots, refused from now on
+            deadline = time.monotonic() + 30
+            while holder.usage().num_ready < 20 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert holder.usage().num_ready == 20
+            for slot in range(20):
+                headers[slot] = holder.read_headers([slot], HEADER_BYTES)[0]
+                ctypes.memset(holder.slot_address(slot), 0xAB, HEADER_BYTES)
+        else:
+            for slot, header in headers.items():
+                ctypes.memmove(holder.slot_address(slot), header, HEADER_BYTES)
+
+    try:
+        _, refused, readable = engine.run([[prefix], [prompt], [prompt]], aio_config(local_pool_name=name),
+                                          between_rounds=between_rounds)
+    finally:
+        holder.close()
+    assert "pool blocks could not be loaded (20 foreign)" in engine.last_log
+    assert_same_generation(refused, baseline["poison"])
+    assert readable[0]["cached"] == len(prompt) - 1  # every block from the pool
+    assert_same_generation(readable, baseline["poison"])
 
 
 def test_pool_down_serves_every_request_by_recompute(engine, baseline):

@@ -14,8 +14,11 @@ process of its own starts stepping while requests still arrive, and the batch
 it forms varies from run to run (and with it float rounding). The prompts come
 from a seed whose greedy continuation does not sit on a near tie: a warm step
 computes only the prompts' tails, with the first request's copy of the shared
-prefix, and logprobs then differ from the baseline by up to ~0.033
-(``LOGPROB_TOLERANCE`` is 0.05).
+prefix, and logprobs then differ from the baseline by up to ~0.033 in bf16, where ``LOGPROB_TOLERANCE`` is 0.05:
+on a loaded 2-core CI machine async loads finished at different steps and a
+request's gap reached 0.061, as a wrong block's would. So the model runs in float32
+(``FLOAT32``), where the gap is rounding only (under ``LOGPROB_TOLERANCE``'s 2e-3);
+the ranks sharing one KV head keep bf16 and compare against their own cold pass.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import urllib.request
 
 import pytest
 
-from conftest import TP2, Engine, aio_config, assert_output_varies, assert_same_generation
+from conftest import FLOAT32, TP2, Engine, aio_config, assert_output_varies, assert_same_generation
 from test_e2e_pool import TRANSFER_MODES
 from vllm_aio.pool.entry import HEADER_BYTES
 
@@ -38,8 +41,9 @@ BLOCK = 32
 PREFIX_TOKENS = 900  # 28 whole blocks shared by every prompt
 TAILS = (100, 200, 300, 400)
 # Four requests in one step; the engine core in the engine's process (see above).
-TOGETHER = {"max_num_seqs": 4, "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
-TOGETHER_TP2 = {**TOGETHER, **TP2, "env": {**TP2["env"], **TOGETHER["env"]}}
+IN_ONE_STEP = {"max_num_seqs": 4, "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+TOGETHER = {**IN_ONE_STEP, **FLOAT32}
+TOGETHER_TP2 = {**IN_ONE_STEP, **TP2, "env": {**TP2["env"], **IN_ONE_STEP["env"]}}
 
 
 def shared_prefix_prompts(seed: int) -> list[list[int]]:

@@ -435,7 +435,7 @@ def test_async_loads_are_announced_as_asynchronous():
     assert AioScheduler(dep, backend).get_num_new_matched_tokens(req, 0) == (16, True)
 
 
-def test_blocks_loaded_from_the_pool_are_not_saved_again():
+def test_blocks_held_by_vllm_or_loaded_from_the_pool_are_not_saved_again():
     backend, dep = DictBackend(), deployment()
     req = Req("a", 22)
     store(backend, dep, req, 4)
@@ -443,7 +443,59 @@ def test_blocks_loaded_from_the_pool_are_not_saved_again():
     n, _ = sched.get_num_new_matched_tokens(req, 4)  # block 0 from vLLM's own cache
     sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), n)
     meta = sched.build_connector_meta(step(new=[("a", [10, 11, 12, 13, 14, 15], 16)], scheduled={"a": 6}))
-    assert [list(s.block_ids) for s in meta.saves] == [[10], [14]]
+    assert [list(s.block_ids) for s in meta.saves] == [[14]]
+
+
+def test_a_local_prefix_cache_hit_saves_only_the_blocks_the_step_computes():
+    backend, dep = DictBackend(), deployment()
+    req = Req("a", 22)
+    sched = AioScheduler(dep, backend)
+    assert sched.get_num_new_matched_tokens(req, 16) == (0, False)  # vLLM holds blocks 0-3
+    sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), 0)
+    meta = sched.build_connector_meta(step(new=[("a", [10, 11, 12, 13, 14, 15], 16)], scheduled={"a": 6}))
+    assert [list(s.block_ids) for s in meta.saves] == [[14]]
+    assert (meta.lookups.hit_tokens, meta.lookups.miss_tokens) == (0, 6)  # the local hit is neither
+
+
+def test_a_resumed_request_saves_only_what_it_recomputes():
+    sched = AioScheduler(deployment(), DictBackend())
+    req = Req("a", 24)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5, 6]), 0)
+    sched.build_connector_meta(step(new=[("a", [1, 2, 3, 4, 5, 6], 0)], scheduled={"a": 8}))
+    # Preempted, then resumed with its first two blocks held by vLLM's prefix cache.
+    meta = sched.build_connector_meta(step(cached=[("a", [7, 8, 9, 10, 11, 12], 8, True)], scheduled={"a": 16}))
+    assert [(list(s.block_ids), s.first_index) for s in meta.saves] == [([9, 10, 11, 12], 2)]
+
+
+def test_a_save_names_the_blocks_loaded_in_its_step_that_its_request_reads():
+    backend, dep = DictBackend(), deployment()
+    a, b = Req("a", 22), Req("b", 14)
+    store(backend, dep, a, 4)
+    sched = AioScheduler(dep, backend)
+    n, _ = sched.get_num_new_matched_tokens(a, 4)
+    sched.update_state_after_alloc(a, blocks([10, 11, 12, 13, 14, 15]), n)
+    sched.update_state_after_alloc(b, blocks([10, 11, 30, 31]), 0)  # b shares a's first blocks (prefix cache)
+    meta = sched.build_connector_meta(step(new=[("a", [10, 11, 12, 13, 14, 15], 16), ("b", [10, 11, 30, 31], 8)],
+                                           scheduled={"a": 6, "b": 6}))
+    assert [(s.req_id, list(s.block_ids), list(s.reads)) for s in meta.saves] == [
+        ("a", [14], [11, 12, 13]), ("b", [30], [11])]
+    later = sched.build_connector_meta(step(cached=[("b", [32], 14, False)], scheduled={"b": 1}))
+    assert later.loads == [] and all(len(s.reads) == 0 for s in later.saves)
+
+
+def test_blocks_vllm_computes_again_after_a_failed_load_are_saved_again():
+    backend, dep = DictBackend(), deployment()
+    req = Req("a", 22)
+    store(backend, dep, req, 4)
+    sched = AioScheduler(dep, backend)
+    n, _ = sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), n)
+    first = sched.build_connector_meta(step(new=[("a", [10, 11, 12, 13, 14, 15], 16)], scheduled={"a": 6}))
+    assert [list(s.block_ids) for s in first.saves] == [[14]]  # not stored: block 12 failed to load
+    sched.update_connector_output({12})
+    # vLLM recomputes from block 2, the first that failed.
+    again = sched.build_connector_meta(step(cached=[("a", None, 8, False)], scheduled={"a": 14}))
+    assert [list(s.block_ids) for s in again.saves] == [[12, 13, 14]]
 
 
 def test_readmitted_request_is_not_counted_as_a_second_miss():

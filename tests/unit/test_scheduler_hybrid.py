@@ -98,15 +98,14 @@ def test_the_hit_loads_each_groups_blocks_and_never_a_null_block():
     ]
 
 
-def test_a_sliding_window_saves_only_blocks_it_still_held_when_the_step_started():
-    # vLLM's own hit of 4 blocks: the sliding window's first 2 are null (id 0), and
-    # its blocks from before the window of token 16 are no longer the request's.
+def test_after_a_local_hit_every_group_saves_only_the_blocks_the_step_computes():
+    # vLLM's own hit of 4 blocks (the sliding window's first 2 are null, id 0): blocks 4 and 5 are new.
     dep, backend = hybrid(), DictBackend()
     sched, req = AioScheduler(dep, backend), Req("r", 6 * BS)
     sched.update_state_after_alloc(req, blocks([0, 0, 3, 4, 5, 6], range(11, 17)), 0)
     meta = sched.build_connector_meta(step(new=[("r", ([0, 0, 3, 4, 5, 6], list(range(11, 17))), 4 * BS)],
                                            scheduled={"r": 2 * BS}))
-    assert [(t.first_index, list(t.block_ids)) for t in meta.saves] == [(2, [3, 4, 5, 6]), (0, list(range(11, 17)))]
+    assert [(t.first_index, list(t.block_ids)) for t in meta.saves] == [(4, [5, 6]), (4, [15, 16])]
 
 
 def test_a_preempted_requests_rescue_skips_sliding_blocks_freed_before_its_last_step():

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import threading
 import uuid
+from array import array
 
 import pytest
 import torch
@@ -282,6 +283,57 @@ def test_value_with_a_foreign_header_is_refused(make_worker, caplog):
         loader.start_load_kv(AioConnectorMetadata(loads=[transfer([4])]))
     assert loader.get_block_ids_with_load_errors() == {4}
     assert "1 foreign" in caplog.text
+
+
+class _TearingBackend(LocalBackend):
+    """The embedded pool, whose every slot is rewritten while a direct load copies it."""
+
+    def slots(self):
+        return _TornSlots(super().slots())
+
+
+class _TornSlots:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def unchanged(self, slots, versions):
+        return self.inner.unchanged(slots, versions) & False
+
+
+def _step_loading_and_saving(worker: AioWorker) -> set[int]:
+    """A step loading x0000 (stored) and x0001 (not) into blocks 6, 7, and saving blocks of
+    requests that read both (r), only block 6 (t), or nothing loaded (s)."""
+    meta = AioConnectorMetadata(
+        loads=[transfer([6, 7])],
+        saves=[dataclasses.replace(transfer([9], tag="r"), reads=array("i", [6, 7])),
+               dataclasses.replace(transfer([10], tag="s"), req_id="s"),
+               dataclasses.replace(transfer([11], tag="t"), req_id="t", reads=array("i", [6]))],
+    )
+    errors = forward(worker, meta)
+    worker.drain()
+    return errors
+
+
+@pytest.mark.parametrize("mode", ["whole_blocks", "layerwise"])
+def test_a_request_that_read_a_block_whose_load_failed_saves_nothing_of_that_step(make_worker, mode):
+    worker, backend = make_worker(transfer_mode=mode)
+    units = len(LAYERS) if mode == "layerwise" else 1
+    forward(worker, AioConnectorMetadata(saves=[transfer([1])]))  # x0000
+    worker.drain()
+    assert _step_loading_and_saving(worker) == {7}
+    assert backend.pool.usage().num_ready == 3 * units  # x0000, then s's and t's blocks: not r's
+
+
+def test_a_block_torn_during_a_direct_load_keeps_its_readers_from_saving(make_worker):
+    backend = _TearingBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, VALUE_BYTES, seal=True)
+    worker, _ = make_worker(backend=backend)
+    assert worker._io.direct
+    saved(worker, AioConnectorMetadata(saves=[transfer([1])]))
+    assert _step_loading_and_saving(worker) == {6, 7}
+    assert backend.pool.usage().num_ready == 2  # x0000 and s's block
 
 
 class _GatedBackend(LocalBackend):

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 @dataclass
 class _Plan:
     local_tokens: int  # vLLM's own prefix-cache hit, block aligned
-    hit_tokens: int  # tokens available once the pool blocks are loaded
 
 
 @dataclass
@@ -61,42 +60,36 @@ class LoadPlanner:
         hit_blocks = self._lookups.hit_blocks(request, num_computed_tokens // bs)
         hit_tokens = min(hit_blocks * bs, request.num_tokens - 1)  # the last token is always computed
         new_tokens = max(0, hit_tokens - num_computed_tokens)
-        if new_tokens == 0:
-            self._plans.pop(request.request_id, None)
-            return 0, False
-        self._plans[request.request_id] = _Plan(num_computed_tokens, hit_tokens)
-        return new_tokens, self._dep.transfer_mode is TransferMode.ASYNC
+        self._plans[request.request_id] = _Plan(num_computed_tokens)
+        return new_tokens, new_tokens > 0 and self._dep.transfer_mode is TransferMode.ASYNC
 
     def admit(self, request: "Request", block_ids: "tuple[list[int], ...]", num_external_tokens: int,
-              counted: bool) -> list[tuple[int, int]] | None:
-        """Plan the load of the blocks vLLM allocated for the hit; per group, the block
-        indices [start, end) loaded, or None when nothing loads.
+              counted: bool) -> None:
+        """Plan the load of the blocks vLLM allocated for the hit.
 
         ``counted``: the request's prompt lookup counts in the hit and miss tokens
-        (not a resumed request's, whose lookup covers generated tokens too).
+        (not a resumed request's, whose lookup covers generated tokens too). What
+        vLLM's own prefix cache held was never looked up: neither hit nor miss.
         """
         plan = self._plans.pop(request.request_id, None)
+        if counted:
+            local = plan.local_tokens if plan is not None else 0
+            self._counts.hit_tokens += num_external_tokens
+            self._counts.miss_tokens += request.num_prompt_tokens - local - num_external_tokens
         if num_external_tokens == 0 or plan is None:
-            if counted:
-                self._counts.miss_tokens += request.num_prompt_tokens
-            return None
+            return
         bs = self._dep.block_size
         first = plan.local_tokens // bs
         last = -(-(plan.local_tokens + num_external_tokens) // bs)
         parts = self._keying.parts
-        loaded, claimed = [], []
+        claimed = []
         for g, ids in enumerate(block_ids):
             start = first_held(ids, first, last)  # a sliding window's leading blocks are null
             keys = self._keying.group_hashes(request.block_hashes[start:last], g)
             self._leases.hold(parts, keys)
             self._pending.append(BlockTransfer.of(request.request_id, ids[start:last], keys, start))
-            loaded.append((start, last))
             claimed.extend(ids[start:last])
         self._claims[request.request_id] = _Claim(claimed, first * bs, plan.local_tokens + num_external_tokens)
-        if counted:
-            self._counts.hit_tokens += num_external_tokens
-            self._counts.miss_tokens += request.num_prompt_tokens - plan.local_tokens - num_external_tokens
-        return loaded
 
     def take(self, resumed: set[str]) -> tuple[list[BlockTransfer], LookupCounts]:
         """The loads and lookup counts of this step's metadata. A resumed request

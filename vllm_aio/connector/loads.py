@@ -44,6 +44,29 @@ logger = get_logger(__name__)
 AddStats = Callable[..., None]
 
 
+@dataclass(frozen=True)
+class StepLoads:
+    """A step's loads so far, as the saves of that step see them.
+
+    A request that read a block whose load failed (its own load's, or one it
+    shares through vLLM's prefix cache) ran its forward over KV it did not
+    get: what it computed in that step is wrong. vLLM discards that output
+    and recomputes, but a save of that KV would serve it to every later
+    request with the prefix. A direct copy learns of a torn slot only once the
+    copy is done, so ``failed_blocks`` is asked on the sending thread, after
+    the compute that waited for the copies.
+    """
+
+    recorded: frozenset[int] = frozenset()  # block ids failed already: timeouts, pool errors
+    loads: tuple[tuple[list[BlockRef], Loaded], ...] = ()  # per load: its blocks and their outcome
+
+    def failed_blocks(self) -> set[int]:
+        failed = set(self.recorded)
+        for blocks, loaded in self.loads:
+            failed.update(b.block_id for b, status in zip(blocks, loaded.settle()) if status is not Status.OK)
+        return failed
+
+
 @dataclass
 class _Load:
     batch: Batch
@@ -72,6 +95,10 @@ class LoadReport:
         for block, req_id in zip(batch.blocks, batch.req_ids):
             self._record(req_id, block.block_id, reason)
 
+    def step_loads(self) -> StepLoads:
+        """The loads of the step so far (settled at the step's end, ``take_errors``)."""
+        return StepLoads(frozenset(self._errors), tuple((batch.blocks, loaded) for batch, _, loaded in self._unsettled))
+
     def pool_failed(self, exc: Exception, batch: Batch) -> Loaded:
         logger.warning("vllm_aio: pool load failed: %s", exc)
         return Loaded([Status.ERROR] * len(batch.blocks))
@@ -92,7 +119,8 @@ class LoadReport:
         self._settle()
         for req_id, reasons in self._failed.items():
             logger.warning(
-                "vllm_aio: request %s: %d pool blocks could not be loaded (%s); vLLM recomputes %s",
+                "vllm_aio: request %s: %d pool blocks could not be loaded (%s); vLLM recomputes %s, "
+                "and nothing the request computed in that step is stored",
                 req_id,
                 sum(reasons.values()),
                 ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())),

@@ -28,6 +28,9 @@ class BlockTransfer:
     hashes: bytes  # vLLM's chained hash of each block, concatenated in the same order
     first_index: int  # position of block_ids[0] in the request: decides its owner rank
     retention: int = 0  # saves: the request's retention class (from its priority, ``priority_cutoffs``)
+    # Saves: the blocks loaded in this step that the request's forward reads. If one of them
+    # fails to load, the KV the request computes is wrong and is not saved (``loads.StepLoads``).
+    reads: array = field(default_factory=lambda: array("i"))
 
     @classmethod
     def of(

@@ -6,9 +6,10 @@ pool puts go on from staging. So a finished request never has to hold blocks
 back: there is no pending state that could keep blocks alive forever.
 
 Per running request (``RequestBlocks``) it follows vLLM's block lists (fresh
-after a preemption), how many blocks were handed to saves, the range loaded
-from the pool (stored there already), and how many blocks a migration asked to
-have stored. A preempted request's full blocks are *rescued*: saved before the
+after a preemption), how many blocks were handed to saves, and how many blocks
+a migration asked to have stored. Blocks computed before a request's (re)start
+are never saved: vLLM's own prefix cache held them (another request computed,
+and saved, them) or they were loaded from the pool (stored there already). A preempted request's full blocks are *rescued*: saved before the
 step writes anything, since vLLM may hand them to another request at once.
 
 Hybrid models: a sliding-window group frees the blocks that leave its window
@@ -19,6 +20,7 @@ its null block (id 0).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -42,8 +44,6 @@ class RequestBlocks:
     num_groups: int = 1
     block_ids: list[list[int]] = field(default_factory=list)
     num_saved_blocks: list[int] = field(default_factory=list)
-    # Per group, block indices [start, end) loaded from the pool: already stored there.
-    loaded: list[tuple[int, int]] = field(default_factory=list)
     # Blocks a migration asked to have stored, generated ones included (``migration/flushes.py``).
     flush_blocks: int = 0
     # Tokens whose KV the steps scheduled so far computed: what a preemption can save.
@@ -53,12 +53,24 @@ class RequestBlocks:
 
     def __post_init__(self) -> None:
         self.restart()
-        self.loaded = [(0, 0)] * self.num_groups
 
-    def restart(self, block_ids: "tuple[list[int], ...] | None" = None) -> None:
-        """A fresh block list (admitted, or resumed after a preemption): nothing of it saved yet."""
+    def restart(self, block_ids: "tuple[list[int], ...] | None" = None, held_blocks: int = 0) -> None:
+        """A fresh block list (admitted, or resumed after a preemption) whose first ``held_blocks``
+        blocks were computed before: by another request (vLLM's prefix cache) or by the pool (loaded)."""
         self.block_ids = [list(ids) for ids in block_ids] if block_ids else [[] for _ in range(self.num_groups)]
-        self.num_saved_blocks = [0] * self.num_groups
+        self.num_saved_blocks = [held_blocks] * self.num_groups
+
+    def rewind(self, num_computed_tokens: int, block_size: int) -> None:
+        """vLLM took computed tokens back (a failed load): the blocks from there on are computed
+        again, and saved then (the worker did not save what the failed step computed)."""
+        if num_computed_tokens < self.computed_tokens:
+            full = num_computed_tokens // block_size
+            self.num_saved_blocks = [min(n, full) for n in self.num_saved_blocks]
+
+    def reads(self, loaded: set[int], block_size: int) -> array:
+        """The blocks of ``loaded`` that the latest step reads: those holding the tokens computed before it."""
+        held = -(-self.step_start_tokens // block_size)
+        return array("i", (b for ids in self.block_ids for b in ids[:held] if b in loaded))
 
 
 @dataclass
@@ -88,10 +100,6 @@ class SavePlanner:
             self._running[request.request_id] = RequestBlocks(request, len(self._dep.groups))
         return known
 
-    def mark_loaded(self, req_id: str, ranges: list[tuple[int, int]]) -> None:
-        """Per group, the block indices [start, end) loaded from the pool: never saved again."""
-        self._running[req_id].loaded = list(ranges)
-
     def forget(self, req_id: str) -> None:
         self._running.pop(req_id, None)
 
@@ -106,26 +114,32 @@ class SavePlanner:
 
     def schedule(self, scheduler_output: "SchedulerOutput") -> list[Scheduled]:
         """The step's requests, with vLLM's block lists brought up to date."""
-        tokens = scheduler_output.num_scheduled_tokens
+        tokens, bs = scheduler_output.num_scheduled_tokens, self._dep.block_size
         scheduled = []
         for new in scheduler_output.scheduled_new_reqs:
             blocks = self._running[new.req_id]
-            blocks.restart(new.block_ids)
+            blocks.restart(new.block_ids, new.num_computed_tokens // bs)
             scheduled.append(Scheduled(blocks, new.num_computed_tokens, tokens[new.req_id]))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             blocks = self._running[req_id]
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:  # preempted: a fresh block list
-                blocks.restart(new_ids)
-            elif new_ids:
-                for ids, added in zip(blocks.block_ids, new_ids):
+                blocks.restart(new_ids, cached.num_computed_tokens[i] // bs)
+            else:
+                blocks.rewind(cached.num_computed_tokens[i], bs)
+                for ids, added in zip(blocks.block_ids, new_ids or ()):
                     ids.extend(added)
             scheduled.append(Scheduled(blocks, cached.num_computed_tokens[i], tokens[req_id]))
         return scheduled
 
-    def save(self, scheduled: list[Scheduled]) -> list[BlockTransfer]:
-        """The blocks this step fills, handed to the worker; the pool skips known ones."""
+    def save(self, scheduled: list[Scheduled], loads: list[BlockTransfer]) -> list[BlockTransfer]:
+        """The blocks this step fills, handed to the worker; the pool skips known ones.
+
+        Each save names the blocks of this step's ``loads`` its request reads:
+        if one fails to load, the worker leaves the request's save out.
+        """
+        loaded = {b for t in loads for b in t.block_ids}
         saves = []
         for s in scheduled:
             blocks = s.blocks
@@ -135,7 +149,12 @@ class SavePlanner:
                 if not self._dep.save_decode_cache:  # a migration's flush stores generated blocks too
                     flushed = blocks.flush_blocks * self._dep.block_size
                     wanted = min(wanted, max(blocks.request.num_prompt_tokens, flushed))
-                saves.extend(self._unsaved(blocks, wanted // self._dep.block_size))
+                transfers = self._unsaved(blocks, wanted // self._dep.block_size)
+                if loaded and transfers:
+                    reads = blocks.reads(loaded, self._dep.block_size)
+                    for t in transfers:
+                        t.reads = reads
+                saves.extend(transfers)
             blocks.computed_tokens = s.done_tokens
         return saves
 
@@ -154,8 +173,7 @@ class SavePlanner:
 
     def _unsaved(self, blocks: RequestBlocks, full: int) -> list[BlockTransfer]:
         """Transfers of the request's blocks up to ``full`` not handed to a save
-        yet, per group, less those loaded from the pool (stored there already)
-        and those a sliding window no longer held when the latest step started."""
+        yet, per group, less those a sliding window no longer held when the latest step started."""
         request = blocks.request
         transfers: list[BlockTransfer] = []
         for g, group in enumerate(self._dep.groups):
@@ -167,23 +185,13 @@ class SavePlanner:
             blocks.num_saved_blocks[g] = end
             held = group.first_held_block(blocks.step_start_tokens, self._dep.block_size)
             start = first_held(block_ids, max(start, held), end)
-            transfers.extend(self._transfers(request, g, block_ids, start, end, blocks.loaded[g]))
+            if start < end:
+                transfers.append(BlockTransfer.of(
+                    request.request_id, block_ids[start:end],
+                    self._keying.group_hashes(request.block_hashes[start:end], g), start,
+                    self._dep.retention_of(request.priority),
+                ))
         if self._events is not None:
             for t in transfers:
                 self._events.expect(request, t.first_index, t.first_index + len(t))
         return transfers
-
-    def _transfers(
-        self, request: "Request", g: int, block_ids: list[int], start: int, end: int, loaded: tuple[int, int]
-    ) -> list[BlockTransfer]:
-        """Saves of group ``g``'s blocks [start, end), around the range ``loaded`` from the pool."""
-        retention = self._dep.retention_of(request.priority)
-        skip_start, skip_end = loaded
-        return [
-            BlockTransfer.of(
-                request.request_id, block_ids[lo:hi],
-                self._keying.group_hashes(request.block_hashes[lo:hi], g), lo, retention,
-            )
-            for lo, hi in ((start, min(end, skip_start)), (max(start, skip_end), end))
-            if lo < hi
-        ]

@@ -9,6 +9,10 @@ Either way ``wait_for_save`` then waits (bounded by ``transfer_timeout``)
 until the sending thread has copied the step's blocks out of the cache, so
 vLLM may free or reuse them; the pool puts go on in the background from
 staging. A failed save is counted and logged once per kind; the request goes on.
+
+A request that read a block whose load failed in the step computed wrong KV
+there (``StepLoads``): its blocks of that step are left out of the save, and
+vLLM's recompute saves them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from vllm_aio.backends import Status
 from vllm_aio.connector.block_io import Batch, BlockIO, BlockRef, CopyHandoff
 from vllm_aio.connector.events import SettledSaves
+from vllm_aio.connector.loads import StepLoads
 from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer
 from vllm_aio.connector.transfer import TransferThread
 from vllm_aio.log import get_logger
@@ -36,14 +41,17 @@ class Saves:
 
     def __init__(
         self, io: BlockIO, owner: Ownership, units: list[Unit], send: TransferThread,
-        add_stats: Callable[..., None], timeout: float, settled: SettledSaves | None = None,
+        add_stats: Callable[..., None], timeout: float, step_loads: Callable[[], StepLoads],
+        settled: SettledSaves | None = None,
     ) -> None:
+        """``step_loads``: the step's loads so far (a request that read a failed one saves nothing)."""
         self._io = io
         self._owner = owner
         self._units = units
         self._send = send
         self._add_stats = add_stats
         self._timeout = timeout
+        self._step_loads = step_loads
         self._settled = settled  # with KV events: what this rank's saves left in the pool
         self._handoffs: list[CopyHandoff] = []  # this step's, forward thread only
         self._failures_logged: set[Status] = set()
@@ -60,7 +68,7 @@ class Saves:
         once they are out of the cache (vLLM gives them to other requests now)."""
         for batch in self._batches(transfers):
             for unit in self._units:
-                self._submit(batch, unit)
+                self._submit(batch, unit, StepLoads())  # computed in earlier steps
         self._wait_copied()
 
     def _wait_copied(self) -> None:
@@ -80,25 +88,38 @@ class Saves:
             for i in self._owner.owned_blocks(range(first, first + len(t))):
                 batch.blocks.append(BlockRef(t.block_ids[i - first], t.block_hash(i - first)))
                 batch.req_ids.append(t.req_id)
+            if t.reads:
+                batch.reads[t.req_id] = t.reads
         return [batches[r] for r in sorted(batches)]
 
-    def _submit(self, batch: Batch, unit: Unit) -> None:
+    def _submit(self, batch: Batch, unit: Unit, loads: StepLoads | None = None) -> None:
         if not batch.blocks:
             return
         handoff = CopyHandoff()
         computed = self._io.device.record()  # after this layer's attention wrote its KV
-        self._send.submit(self._save, batch, unit, computed, handoff)
+        loads = self._step_loads() if loads is None else loads
+        self._send.submit(self._save, batch, unit, computed, handoff, loads)
         self._handoffs.append(handoff)
 
-    def _save(self, batch: Batch, unit: Unit, computed: torch.Event | None, handoff: CopyHandoff) -> None:
+    def _save(self, batch: Batch, unit: Unit, computed: torch.Event | None, handoff: CopyHandoff,
+              loads: StepLoads) -> None:
         """Runs on the sending thread."""
         started = time.perf_counter()
+        statuses: list[Status] = [Status.ERROR] * len(batch.blocks)  # a wrongly computed block: not stored
         try:
-            statuses = self._io.save(batch.blocks, unit, computed, handoff, batch.retention)
+            wrong = _read_failed_loads(batch, loads)
+            kept = [i for i, req_id in enumerate(batch.req_ids) if req_id not in wrong]
+            if kept:
+                got = self._io.save([batch.blocks[i] for i in kept], unit, computed, handoff, batch.retention)
+                for i, status in zip(kept, got):
+                    statuses[i] = status
+            else:
+                handoff.copied()  # nothing to copy out of the cache
         except Exception as exc:
+            kept = range(len(batch.blocks))
             statuses = [Status.ERROR] * len(batch.blocks)
             self._log_failure(Status.ERROR, str(exc))
-        counts = Counter(statuses)
+        counts = Counter(statuses[i] for i in kept)
         for status in (Status.NO_SPACE, Status.ERROR):
             if counts[status]:
                 self._log_failure(status, f"{counts[status]} blocks")
@@ -130,6 +151,14 @@ class Saves:
             status.value,
             detail,
         )
+
+
+def _read_failed_loads(batch: Batch, loads: StepLoads) -> set[str]:
+    """The batch's requests that read a block whose load failed in this step."""
+    if not batch.reads:  # the usual step: nothing loaded that a save depends on
+        return set()
+    failed = loads.failed_blocks()
+    return {req_id for req_id, reads in batch.reads.items() if not failed.isdisjoint(reads)}
 
 
 class WholeBlockSaves(Saves):

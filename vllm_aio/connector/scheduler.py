@@ -72,9 +72,7 @@ class AioScheduler:
     ) -> None:
         self._lookups.forget(request.request_id)  # admitted: no more lookups until it waits again
         known = self._saves.admit(request)  # re-admitted: preempted, or its async load finished
-        loaded = self._loads.admit(request, blocks.get_block_ids(), num_external_tokens, counted=not known)
-        if loaded is not None:
-            self._saves.mark_loaded(request.request_id, loaded)
+        self._loads.admit(request, blocks.get_block_ids(), num_external_tokens, counted=not known)
 
     # ---- per step --------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> AioConnectorMetadata:
@@ -88,7 +86,7 @@ class AioScheduler:
             self._buffer.release(req_id)  # its blocks may be another's now
         scheduled = self._saves.schedule(scheduler_output)
         self._take_flushes()
-        meta.saves = self._saves.save(scheduled)
+        meta.saves = self._saves.save(scheduled, loads)
         meta.buffer = self._buffer.step(scheduled, scheduler_output)
         return meta
 

@@ -102,7 +102,8 @@ class AioWorker:
         return InBackground(*common) if mode is TransferMode.ASYNC else BeforeForward(*common)
 
     def _choose_saves(self) -> Saves:
-        common = (self._io, self._owner, self._units, self._send, self._add_stats, self._cfg.transfer_timeout)
+        common = (self._io, self._owner, self._units, self._send, self._add_stats, self._cfg.transfer_timeout,
+                  self._report.step_loads)
         if self._dep.transfer_mode is TransferMode.LAYERWISE:
             return LayerwiseSaves(*common, settled=self._settled, layer_names=list(self._dep.layer_names))
         return WholeBlockSaves(*common, settled=self._settled)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,17 +36,20 @@ class Loaded:
     ``copied``: the event after which the cache holds the accepted blocks
     (None: it does already); the caller's stream waits on it. ``settle``
     gives the final statuses once the copies are done: a value whose pool
-    slot was rewritten during a direct copy is ``CORRUPT`` there.
+    slot was rewritten during a direct copy is ``CORRUPT`` there. The
+    forward thread and the sending thread (``StepLoads``) may both ask.
     """
 
     statuses: list[Status]
     copied: torch.Event | None = None
     _settle: Callable[[], list[Status]] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def settle(self) -> list[Status]:
-        if self._settle is not None:
-            self.statuses, self._settle = self._settle(), None
-        return self.statuses
+        with self._lock:
+            if self._settle is not None:
+                self.statuses, self._settle = self._settle(), None
+            return self.statuses
 
 
 class CopyHandoff:

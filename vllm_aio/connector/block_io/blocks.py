@@ -24,6 +24,8 @@ class Batch:
     # Saves with KV events: positions whose value failed for an earlier layer
     # (a layerwise batch is saved once per layer; ``saves.py``).
     unsaved: set[int] = field(default_factory=set)
+    # Saves: per request, the blocks loaded in this step that its forward read (``BlockTransfer.reads``).
+    reads: dict[str, Sequence[int]] = field(default_factory=dict)
 
 
 class DistinctBlocks:
