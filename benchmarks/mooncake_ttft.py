@@ -28,6 +28,9 @@ with ``VLLM_CPU_OMP_THREADS_BIND=0|1``.
 
     .venv/bin/python -m benchmarks.mooncake_ttft --tp 1,2 --lengths 1024,2048,4096 --repeats 3
 
+``--transfer-mode layerwise`` (or ``async``) runs vllm_aio's engines in that mode
+(``whole_blocks`` by default).
+
 ``--systems`` runs a subset (vllm_aio always); ``--quick``, a smoke test of the
 real path (TP=1, one 256-token prompt, once, 256 MB pools), runs vllm_aio alone
 unless ``--systems`` names more.
@@ -87,12 +90,13 @@ def theirs_kv_config(lookup_rpc_port: int) -> dict:
     }
 
 
-def aio_kv_config(pool_config: dict) -> dict:
+def aio_kv_config(pool_config: dict, transfer_mode: str) -> dict:
     return {
         "kv_connector": "AioConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"backend": "mooncake", **pool_config, "global_segment_size": 0},
+        "kv_connector_extra_config": {"backend": "mooncake", **pool_config, "global_segment_size": 0,
+                                      "transfer_mode": transfer_mode},
     }
 
 
@@ -145,7 +149,7 @@ class Bench:
             env["MOONCAKE_REQUESTER_LOCAL_HOSTNAME"] = "127.0.0.1"
             kv = theirs_kv_config(20000 + self.tp * 1000 + self.engines.count + 1 + os.getpid() % 500)
         elif system == "vllm_aio":
-            kv = aio_kv_config(self.pools["vllm_aio"].config)
+            kv = aio_kv_config(self.pools["vllm_aio"].config, self.args.transfer_mode)
         parallel = {"tensor_parallel_size": self.tp, "distributed_executor_backend": "mp"} if self.tp > 1 else {}
         return self.engines.start(f"{system}-tp{self.tp}-{phase}", kv, env=env, **parallel)
 
@@ -248,7 +252,8 @@ class Bench:
                                                              {"lookup_rpc_port": "<per engine>"}},
                 "MOONCAKE_CONFIG_PATH": json.loads(self.theirs_config_path.read_text()),
                 "env": {"MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1"}}
-        configs["vllm_aio"] = {"kv_transfer_config": aio_kv_config(self.pools["vllm_aio"].config)}
+        configs["vllm_aio"] = {
+            "kv_transfer_config": aio_kv_config(self.pools["vllm_aio"].config, self.args.transfer_mode)}
         return {"tp": self.tp, "rows": rows, "errors": errors, "engines": engines.info, "pools": pool_state,
                 "omp_bind": engines.env["VLLM_CPU_OMP_THREADS_BIND"], "configs": configs, "engine_logs": logs}
 
@@ -291,6 +296,8 @@ def main() -> int:
     parser.add_argument("--pool-size", default="1GB", help="memory of each connector's Mooncake pool")
     parser.add_argument("--settle", type=float, default=180,
                         help="seconds engines A may take for their saves to land in the pool")
+    parser.add_argument("--transfer-mode", default="whole_blocks",
+                        choices=("whole_blocks", "layerwise", "async"), help="vllm_aio's transfer_mode")
     parser.add_argument("--tp2-bind", default="0|1",
                         help="VLLM_CPU_OMP_THREADS_BIND at TP=2 (one core per rank by default)")
     engine_arguments(parser, SYSTEMS)

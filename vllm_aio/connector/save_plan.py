@@ -9,7 +9,8 @@ Per running request (``RequestBlocks``) it follows vLLM's block lists (fresh
 after a preemption), how many blocks were handed to saves, and how many blocks
 a migration asked to have stored. Blocks computed before a request's (re)start
 are never saved: vLLM's own prefix cache held them (another request computed,
-and saved, them) or they were loaded from the pool (stored there already). A preempted request's full blocks are *rescued*: saved before the
+and saved, them) or they were loaded from the pool (stored there already).
+A preempted request's full blocks are *rescued*: saved before the
 step writes anything, since vLLM may hand them to another request at once.
 
 Hybrid models: a sliding-window group frees the blocks that leave its window
