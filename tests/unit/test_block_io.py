@@ -1,9 +1,10 @@
 """``BlockIO``'s three paths over the real embedded pool, on the CPU and, where present, an accelerator.
 
 Each case runs on every path the device has: on the CPU the host cache path
-(the backend copies into and out of the cache) and the direct path (the
-pool's memory is its own mapping there, so its logic is checked without a
-GPU); on an accelerator the staged path (page-locked staging) and the direct
+(the backend copies into and out of the cache), the direct path (the pool's
+memory is its own mapping there) and the staged path (never picked for a
+host cache, forced here), so the logic of all three is checked without a
+GPU; on an accelerator the staged path (page-locked staging) and the direct
 path (``mapped_slots.py``). On a GPU machine run
 ``python -m pytest tests/unit/test_block_io.py``.
 """
@@ -30,9 +31,9 @@ from vllm_aio.pool.keys import Unit
 
 LAYERS, NUM_BLOCKS = ("l0", "l1", "l2"), 12
 SHAPES = {"block_major": (NUM_BLOCKS, 2, 16, 64), "kv_split": (2, NUM_BLOCKS, 16, 4, 16)}
-# "+direct": values move straight between pool slots and the cache.
+# "+direct": values move straight between pool slots and the cache; "+staged": through staging, on the CPU too.
 # NPU: staged only (torch_npu cannot map host memory for kernels).
-DEVICES = [d + path for d in ["cpu", *CUDA] for path in ("", "+direct")] + ["npu"]
+DEVICES = [d + path for d in ["cpu", *CUDA] for path in ("", "+direct")] + ["cpu+staged", "npu"]
 EVERY_LAYER, LAYER_1 = Unit((0, 1, 2), None), Unit((1,), 1)
 
 
@@ -40,7 +41,7 @@ def make_io(
     device: str, shape: tuple[int, ...], backend: LocalBackend | None, seed: int, shard: str = "pp0.dcp0.h0",
     staging: int = 1 << 20,
 ):
-    device, _, direct = device.partition("+")
+    device, _, path = device.partition("+")
     g = torch.Generator().manual_seed(seed)
     caches = {n: torch.randn(shape, generator=g).to(torch.bfloat16).to(device) for n in LAYERS}
     layout = BlockLayout(caches, LAYERS, NUM_BLOCKS)
@@ -49,12 +50,12 @@ def make_io(
     backend = backend or LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, value, seal=True)
     header = EntryHeader("0123456789abcdef", shard, -1, 16, 0)
     labels = ValueLabels(header, layout)
-    if direct:
+    if path == "direct":
         slots = MappedSlots.open(backend.slots(), layout, dev)
         assert slots is not None
         return DirectPath(labels, dev, slots), caches, backend
-    path = HostCachePath if dev.is_host else StagedPath
-    io = path(labels, dev, layout, backend, StagingBuffer(dev, staging), StagingBuffer(dev, staging), 5.0)
+    kind = HostCachePath if dev.is_host and path != "staged" else StagedPath
+    io = kind(labels, dev, layout, backend, StagingBuffer(dev, staging), StagingBuffer(dev, staging), 5.0)
     return io, caches, backend
 
 
