@@ -5,7 +5,9 @@ backend copies whole values into page-locked staging; the headers are
 checked there, then one host-to-device copy and one on-device scatter per
 plane move the accepted blocks, on the transfer stream. The caller gets the
 stream's event and makes the compute stream wait on it; nobody blocks on the
-copy.
+copy. Chunk by chunk: the backend copies the next chunk into staging while
+the one before crosses the link, so a load takes about its backend's copy
+time when that is the longest stage.
 
 Saves (sending thread): an on-device gather after the compute stream's event
 for that layer, then a device-to-host copy into staging, from where the pool
@@ -13,7 +15,8 @@ put runs (``staging_save.py``). The gathers run on the transfer stream and the
 copies into staging on a link stream of their own: the gathers (device memory
 only) are soon all done, so the forward thread may reuse the cache blocks
 while the copies still cross the link, and the pool put of one chunk overlaps
-the copy of the next into staging.
+the copy of the next into staging. The price is device scratch: each chunk in
+staging keeps its own until its copy is over, at most the save staging's size.
 """
 
 from __future__ import annotations
