@@ -22,6 +22,7 @@ from vllm_aio.backends.local import LocalBackend
 from vllm_aio.connector.block_io import (
     BlockIO, BlockRef, CopyHandoff, DirectPath, HostCachePath, StagedPath, ValueLabels, open_block_io,
 )
+from vllm_aio.connector.block_io.staging_save import Copied, StagingSave
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.connector.mapped_slots import MappedSlots
 from vllm_aio.connector.staging import StagingBuffer
@@ -127,6 +128,40 @@ def test_abandoned_save_is_never_put():
     assert not handoff.wait(0)  # the forward thread gave up before the copy
     assert saver.save(refs([1]), EVERY_LAYER, None, handoff) == [Status.ERROR]
     assert backend.batch_exists(saver.keys(refs([1]), EVERY_LAYER)) == [False]
+
+
+class CopyInFlight:
+    """A copy into staging that the device finishes only when the host waits for it (``Device.synchronize``)."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def synchronize(self) -> None:
+        self.log.append("copied")
+
+
+def test_a_chunk_of_an_abandoned_save_gives_its_staging_back_only_after_its_copy(monkeypatch):
+    from vllm_aio.connector.block_io import base
+
+    caches = {n: torch.zeros(SHAPES["block_major"], dtype=torch.bfloat16) for n in LAYERS}
+    layout = BlockLayout(caches, LAYERS, NUM_BLOCKS)
+    labels = ValueLabels(EntryHeader("0123456789abcdef", "pp0.dcp0.h0", -1, 16, 0), layout)
+    monkeypatch.setattr(base, "_CHUNK_BYTES", 1)  # one value per chunk
+    staging, log, handoff = StagingBuffer(Device(torch.device("cpu")), 1 << 20), [], CopyHandoff()
+    release = staging.release
+    monkeypatch.setattr(staging, "release",
+                        lambda piece, after=None: (log.append(f"released at {piece.start}"), release(piece, after)))
+
+    def copy_out(blocks, unit, computed, piece):
+        assert not handoff.wait(0)  # the forward thread gives up while the first chunk is copied
+        return Copied(blocks, unit, piece, None, CopyInFlight(log))
+
+    backend = LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, labels.value_bytes(EVERY_LAYER), seal=True)
+    save = StagingSave(backend, staging, 1.0, copy_out)
+    assert save.save(refs([1, 2]), EVERY_LAYER, labels, None, handoff, 0) == [Status.ERROR] * 2
+    value = labels.value_bytes(EVERY_LAYER)
+    # The second chunk's slice, never copied into, goes back at once; the first chunk's once its copy is over.
+    assert log == [f"released at {value}", "copied", "released at 0"]
 
 
 def test_batch_larger_than_the_staging_buffer_moves_chunk_by_chunk(device_and_shape, monkeypatch):
