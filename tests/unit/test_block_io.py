@@ -1,9 +1,10 @@
 """``BlockIO``'s three paths over the real embedded pool, on the CPU and, where present, an accelerator.
 
 Each case runs on every path the device has: on the CPU the host cache path
-(the backend copies into and out of the cache) and the direct path (the
-pool's memory is its own mapping there, so its logic is checked without a
-GPU); on an accelerator the staged path (page-locked staging) and the direct
+(the backend copies into and out of the cache), the direct path (the pool's
+memory is its own mapping there) and the staged path (never picked for a
+host cache, forced here), so the logic of all three is checked without a
+GPU; on an accelerator the staged path (page-locked staging) and the direct
 path (``mapped_slots.py``). On a GPU machine run
 ``python -m pytest tests/unit/test_block_io.py``.
 """
@@ -21,6 +22,7 @@ from vllm_aio.backends.local import LocalBackend
 from vllm_aio.connector.block_io import (
     BlockIO, BlockRef, CopyHandoff, DirectPath, HostCachePath, StagedPath, ValueLabels, open_block_io,
 )
+from vllm_aio.connector.block_io.staging_save import Copied, StagingSave
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.connector.mapped_slots import MappedSlots
 from vllm_aio.connector.staging import StagingBuffer
@@ -30,9 +32,9 @@ from vllm_aio.pool.keys import Unit
 
 LAYERS, NUM_BLOCKS = ("l0", "l1", "l2"), 12
 SHAPES = {"block_major": (NUM_BLOCKS, 2, 16, 64), "kv_split": (2, NUM_BLOCKS, 16, 4, 16)}
-# "+direct": values move straight between pool slots and the cache.
+# "+direct": values move straight between pool slots and the cache; "+staged": through staging, on the CPU too.
 # NPU: staged only (torch_npu cannot map host memory for kernels).
-DEVICES = [d + path for d in ["cpu", *CUDA] for path in ("", "+direct")] + ["npu"]
+DEVICES = [d + path for d in ["cpu", *CUDA] for path in ("", "+direct")] + ["cpu+staged", "npu"]
 EVERY_LAYER, LAYER_1 = Unit((0, 1, 2), None), Unit((1,), 1)
 
 
@@ -40,7 +42,7 @@ def make_io(
     device: str, shape: tuple[int, ...], backend: LocalBackend | None, seed: int, shard: str = "pp0.dcp0.h0",
     staging: int = 1 << 20,
 ):
-    device, _, direct = device.partition("+")
+    device, _, path = device.partition("+")
     g = torch.Generator().manual_seed(seed)
     caches = {n: torch.randn(shape, generator=g).to(torch.bfloat16).to(device) for n in LAYERS}
     layout = BlockLayout(caches, LAYERS, NUM_BLOCKS)
@@ -49,12 +51,12 @@ def make_io(
     backend = backend or LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, value, seal=True)
     header = EntryHeader("0123456789abcdef", shard, -1, 16, 0)
     labels = ValueLabels(header, layout)
-    if direct:
+    if path == "direct":
         slots = MappedSlots.open(backend.slots(), layout, dev)
         assert slots is not None
         return DirectPath(labels, dev, slots), caches, backend
-    path = HostCachePath if dev.is_host else StagedPath
-    io = path(labels, dev, layout, backend, StagingBuffer(dev, staging), StagingBuffer(dev, staging), 5.0)
+    kind = HostCachePath if dev.is_host and path != "staged" else StagedPath
+    io = kind(labels, dev, layout, backend, StagingBuffer(dev, staging), StagingBuffer(dev, staging), 5.0)
     return io, caches, backend
 
 
@@ -126,6 +128,40 @@ def test_abandoned_save_is_never_put():
     assert not handoff.wait(0)  # the forward thread gave up before the copy
     assert saver.save(refs([1]), EVERY_LAYER, None, handoff) == [Status.ERROR]
     assert backend.batch_exists(saver.keys(refs([1]), EVERY_LAYER)) == [False]
+
+
+class CopyInFlight:
+    """A copy into staging that the device finishes only when the host waits for it (``Device.synchronize``)."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def synchronize(self) -> None:
+        self.log.append("copied")
+
+
+def test_a_chunk_of_an_abandoned_save_gives_its_staging_back_only_after_its_copy(monkeypatch):
+    from vllm_aio.connector.block_io import base
+
+    caches = {n: torch.zeros(SHAPES["block_major"], dtype=torch.bfloat16) for n in LAYERS}
+    layout = BlockLayout(caches, LAYERS, NUM_BLOCKS)
+    labels = ValueLabels(EntryHeader("0123456789abcdef", "pp0.dcp0.h0", -1, 16, 0), layout)
+    monkeypatch.setattr(base, "_CHUNK_BYTES", 1)  # one value per chunk
+    staging, log, handoff = StagingBuffer(Device(torch.device("cpu")), 1 << 20), [], CopyHandoff()
+    release = staging.release
+    monkeypatch.setattr(staging, "release",
+                        lambda piece, after=None: (log.append(f"released at {piece.start}"), release(piece, after)))
+
+    def copy_out(blocks, unit, computed, piece):
+        assert not handoff.wait(0)  # the forward thread gives up while the first chunk is copied
+        return Copied(blocks, unit, piece, None, CopyInFlight(log))
+
+    backend = LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, labels.value_bytes(EVERY_LAYER), seal=True)
+    save = StagingSave(backend, staging, 1.0, copy_out)
+    assert save.save(refs([1, 2]), EVERY_LAYER, labels, None, handoff, 0) == [Status.ERROR] * 2
+    value = labels.value_bytes(EVERY_LAYER)
+    # The second chunk's slice, never copied into, goes back at once; the first chunk's once its copy is over.
+    assert log == [f"released at {value}", "copied", "released at 0"]
 
 
 def test_batch_larger_than_the_staging_buffer_moves_chunk_by_chunk(device_and_shape, monkeypatch):

@@ -5,11 +5,18 @@ backend copies whole values into page-locked staging; the headers are
 checked there, then one host-to-device copy and one on-device scatter per
 plane move the accepted blocks, on the transfer stream. The caller gets the
 stream's event and makes the compute stream wait on it; nobody blocks on the
-copy.
+copy. Chunk by chunk: the backend copies the next chunk into staging while
+the one before crosses the link, so a load takes about its backend's copy
+time when that is the longest stage.
 
 Saves (sending thread): an on-device gather after the compute stream's event
 for that layer, then a device-to-host copy into staging, from where the pool
-put runs (``staging_save.py``).
+put runs (``staging_save.py``). The gathers run on the transfer stream and the
+copies into staging on a link stream of their own: the gathers (device memory
+only) are soon all done, so the forward thread may reuse the cache blocks
+while the copies still cross the link, and the pool put of one chunk overlaps
+the copy of the next into staging. The price is device scratch: each chunk in
+staging keeps its own until its copy is over, at most the save staging's size.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class StagedPath(BlockIO):
         self._loads = load_staging
         self._timeout = timeout
         self._stream = device.new_stream()
+        self._link = device.new_stream()  # a save's copies into staging, behind its gathers
         self._saves = StagingSave(backend, save_staging, timeout, self._copy_out)
 
     def _load(self, batch: DistinctBlocks, unit: Unit, labels: ValueLabels) -> Loaded:
@@ -91,6 +99,11 @@ class StagedPath(BlockIO):
         return self._saves.save(blocks, unit, labels, computed, handoff, retention)
 
     def _copy_out(self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, piece: Slice) -> Copied:
+        """The gather on the transfer stream, the copy into staging behind it on the link stream.
+
+        Each chunk gathers into a scratch of its own, kept until its copy into
+        staging is over (``Copied.source``): the gathers do not wait for the link.
+        """
         rows = piece.tensor.view(len(blocks), -1)
         with self.device.on(self._stream):
             self.device.wait(computed, self._stream)
@@ -98,5 +111,7 @@ class StagedPath(BlockIO):
             self._layout.gather(self.device.indices([b.block_id for b in blocks]), unit.layers,
                                 scratch[:, HEADER_BYTES:])
             gathered = self.device.record(self._stream)
+        with self.device.on(self._link):
+            self.device.wait(gathered, self._link)
             rows.copy_(scratch, non_blocking=True)
-            return Copied(blocks, unit, piece, gathered, self.device.record(self._stream))
+            return Copied(blocks, unit, piece, gathered, self.device.record(self._link), scratch)

@@ -3,7 +3,9 @@
 The blocks are copied out of the cache into staging chunk by chunk (how is
 the path's ``CopyOut``), ``CopyHandoff`` tells the forward thread the cache
 blocks may be reused, and the pool put runs from staging. Chunks already
-copied out are put as staging runs short, the rest once every block is out.
+copied out are put as staging runs short, the rest once every block is out,
+each as soon as its own copy into staging is done: on an accelerator the
+copies of later chunks run on meanwhile (``staged.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Copied:
     piece: Slice
     gathered: torch.Event | None  # after this the cache blocks may be reused
     in_staging: torch.Event | None  # after this the staging rows hold the values
+    source: torch.Tensor | None = None  # device bytes the copy into staging reads: kept until ``in_staging``
 
 
 # Copies the payloads of (blocks, unit), once ``computed`` has passed, into the rows of a staging slice.
@@ -86,9 +89,11 @@ class StagingSave:
         """Pool put of one copied chunk, unless its copy may be torn (``keep`` False)."""
         n = len(chunk.blocks)
         try:
+            # Even a chunk never put: its rows (and its device source) are given back only
+            # once the copy into them is over, or the next slice there could be overwritten.
+            Device.synchronize(chunk.in_staging)
             if not keep:
                 return [Status.ERROR] * n
-            Device.synchronize(chunk.in_staging)
             rows = chunk.piece.tensor.view(n, -1)
             headers = bytearray(b"".join(labels.headers(chunk.blocks, chunk.unit)))
             rows[:, :HEADER_BYTES] = torch.frombuffer(headers, dtype=torch.uint8).view(n, HEADER_BYTES)
