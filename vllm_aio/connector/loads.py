@@ -126,7 +126,8 @@ class LoadReport:
                 ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())),
                 recomputed,
             )
-        self._add_stats(load_failures=len(self._errors))
+        if self._errors:  # a step that loaded nothing takes no lock
+            self._add_stats(load_failures=len(self._errors))
         taken = self._errors, self._failed
         self._errors, self._failed = set(), {}
         return taken

@@ -127,8 +127,8 @@ class AioWorker:
         self._buffer.begin_step(meta, forward_context)
 
     def start_load_kv(self, meta: AioConnectorMetadata) -> None:
-        if self._reports_lookups:
-            lookups = meta.lookups
+        lookups = meta.lookups
+        if self._reports_lookups and (lookups.hit_tokens or lookups.miss_tokens or lookups.failed_hit_tokens):
             self._add_stats(
                 hit_tokens=lookups.hit_tokens,
                 miss_tokens=lookups.miss_tokens,
