@@ -12,7 +12,8 @@ token.
 spec: {"model", "max_model_len", "enable_prefix_caching", "kv_transfer_config",
        "max_num_batched_tokens", "tensor_parallel_size", "distributed_executor_backend",
        "warmup": [ids]}
-stdin: one JSON command per line: {"label": str, "prompt": [ids]} or {"exit": true}
+stdin: one JSON command per line: {"label": str, "prompt": [ids]} (or [[ids], ...]: prompts sent
+       together) or {"exit": true}
 RESULT_FD: one JSON line per event: {"ready": true, "init_s", "warmup": step}
            after start and the warm-up request, then one step per command:
            {"label", "prompt_len", "cached", "wall_s", "ttft_s", "engine_s"},
@@ -80,16 +81,21 @@ def serve(spec_path: str, result_fd: int) -> None:
     init_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=1, temperature=0)
 
-    def step(label: str, prompt: list[int]) -> dict:
+    def step(label: str, prompt: list[int] | list[list[int]]) -> dict:
+        """One prompt, or several sent together (one ``generate``: they share its steps); for several,
+        the slowest first token and the sums of their prompt and cached tokens."""
+        batch = prompt if prompt and isinstance(prompt[0], list) else [prompt]
         start = time.perf_counter()
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
         wall = time.perf_counter() - start
-        m = out.metrics
-        ttft = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
-        engine = (m.first_token_ts - m.scheduled_ts) if m is not None and m.scheduled_ts else 0.0
+        ttft = engine = 0.0
+        for m in (out.metrics for out in outs if out.metrics is not None):
+            ttft = max(ttft, getattr(m, "first_token_latency", 0.0))
+            engine = max(engine, (m.first_token_ts - m.scheduled_ts) if m.scheduled_ts else 0.0)
+        cached, total = sum(o.num_cached_tokens for o in outs), sum(len(o.prompt_token_ids) for o in outs)
         print(f"[bench] {label}: wall={wall * 1e3:.1f}ms ttft={ttft * 1e3:.1f}ms "
-              f"engine={engine * 1e3:.1f}ms cached={out.num_cached_tokens}/{len(prompt)}", flush=True)
-        return {"label": label, "prompt_len": len(out.prompt_token_ids), "cached": out.num_cached_tokens,
+              f"engine={engine * 1e3:.1f}ms cached={cached}/{total}", flush=True)
+        return {"label": label, "prompt_len": total, "cached": cached,
                 "wall_s": wall, "ttft_s": ttft if ttft > 0 else wall, "engine_s": engine,
                 "t": time.time()}
 
@@ -353,7 +359,7 @@ def summarize(steps: list[dict], cold: dict | None, error: str | None = None) ->
 
 def check_hits(row: dict, hitting: list[str]) -> list[str]:
     """What is wrong with a row: recompute hit something, or a system of ``hitting`` served too little."""
-    n, bad = row["prompt_tokens"], []
+    n, bad = row.get("batch_tokens", row["prompt_tokens"]), []  # prompts sent together: all their tokens
     rec = row.get("recompute", {})
     if rec and "error" not in rec and rec["cached_max"] != 0:
         bad.append(f"recompute cached {rec['cached_max']} tokens (want 0)")

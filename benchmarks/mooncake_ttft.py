@@ -29,7 +29,9 @@ with ``VLLM_CPU_OMP_THREADS_BIND=0|1``.
     .venv/bin/python -m benchmarks.mooncake_ttft --tp 1,2 --lengths 1024,2048,4096 --repeats 3
 
 ``--transfer-mode layerwise`` (or ``async``) runs vllm_aio's engines in that mode
-(``whole_blocks`` by default).
+(``whole_blocks`` by default). ``--together 4`` measures four prompts sent together
+that share each length's prompt as a prefix (the time to their slowest first
+token; the hit check then holds for the batch's tokens).
 
 ``--systems`` runs a subset (vllm_aio always); ``--quick``, a smoke test of the
 real path (TP=1, one 256-token prompt, once, 256 MB pools), runs vllm_aio alone
@@ -64,6 +66,15 @@ SCRUB_ENV = ("MOONCAKE_CONFIG_PATH", "MOONCAKE_MASTER", "MOONCAKE_GLOBAL_SEGMENT
              "VLLM_AIO_BACKEND", "VLLM_AIO_LOCAL_POOL_SIZE")
 # Log lines worth keeping from an engine (their connector's and ours).
 LOG_PATTERNS = re.compile(r"(?i)(mooncake|aio|kv transfer|error|warning|traceback|exception|failed)")
+
+
+TAIL = 64  # --together: the i-th prompt's own tail after the shared prefix, (i + 1) x TAIL tokens
+
+
+def distinct_blocks(prompt: list[int] | list[list[int]]) -> int:
+    """Full blocks of a prompt, or of prompts sent together sharing a prefix: each distinct block once."""
+    batch = prompt if isinstance(prompt[0], list) else [prompt]
+    return len({tuple(p[:end]) for p in batch for end in range(BLOCK_SIZE, len(p) + 1, BLOCK_SIZE)})
 
 
 def theirs_store_config(pool_config: dict) -> dict:
@@ -159,6 +170,9 @@ class Bench:
         args, lengths, engines = self.args, self.lengths, self.engines
         connectors = [s for s in CONNECTORS if s in self.systems]
         prompts = dict(zip(lengths, make_prompts(1000, lengths)))
+        if args.together > 1:  # each length: a shared prefix, the prompts' own tails after it
+            prompts = {n: [p + t for t in make_prompts(2000 + n, [TAIL * (i + 1) for i in range(args.together)])]
+                       for n, p in prompts.items()}
         samples = {s: {n: [] for n in lengths} for s in self.systems}
         cold: dict[str, dict[int, dict]] = {s: {} for s in self.systems}
         errors: dict[str, str] = {}
@@ -211,7 +225,7 @@ class Bench:
                     time.sleep(args.gap)
             # Saves may still be in flight (theirs run on a sending thread): engines A exit only once
             # both pools hold every full block of the prompts and the warm-up, once per TP rank.
-            expected = (sum(n // BLOCK_SIZE for n in lengths) + 64 // BLOCK_SIZE) * self.tp
+            expected = (sum(distinct_blocks(prompts[n]) for n in lengths) + 64 // BLOCK_SIZE) * self.tp
             pool_state = {"after_A": settle(self.pools, expected, args.settle)}
             print(f"  pools after engines A: {pool_state['after_A']}", flush=True)
             close(a)
@@ -242,7 +256,8 @@ class Bench:
             for pool in self.pools.values():
                 pool.stop()
 
-        rows = [{"model": args.model, "tp": self.tp, "prompt_tokens": n,
+        rows = [{"model": args.model, "tp": self.tp, "prompt_tokens": n, "together": args.together,
+                 "batch_tokens": sum(map(len, prompts[n])) if args.together > 1 else n,
                  **{s: summarize(samples[s][n], cold[s].get(n), errors.get(s)) for s in self.systems}}
                 for n in lengths]
         configs = {}
@@ -298,6 +313,9 @@ def main() -> int:
                         help="seconds engines A may take for their saves to land in the pool")
     parser.add_argument("--transfer-mode", default="whole_blocks",
                         choices=("whole_blocks", "layerwise", "async"), help="vllm_aio's transfer_mode")
+    parser.add_argument("--together", type=int, default=1,
+                        help="prompts per measured request batch: each length is then a prefix they share, "
+                             f"each with its own tail ({TAIL} x i tokens), sent in one generate")
     parser.add_argument("--tp2-bind", default="0|1",
                         help="VLLM_CPU_OMP_THREADS_BIND at TP=2 (one core per rank by default)")
     engine_arguments(parser, SYSTEMS)
