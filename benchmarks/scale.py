@@ -199,8 +199,8 @@ def measure(pool: str, backend: Backend, dep: Deployment, hashes: list[bytes], l
         waiting = request()
         assert sched.get_num_new_matched_tokens(waiting, 0)[0] == tokens - 1, "the prompt is not fully cached"
         row = Row(
-            pool, "layerwise" if dep.layerwise else "whole blocks", len(dep.layer_names), dep.namespace.tp_size,
-            tokens, parts.count,
+            pool, "layerwise" if dep.transfer_mode is TransferMode.LAYERWISE else "whole blocks",
+            len(dep.layer_names), dep.namespace.tp_size, tokens, parts.count,
             lookup_ms=median_ms(lambda: sched.get_num_new_matched_tokens(request(), 0), reps),
             again_ms=median_ms(lambda: sched.get_num_new_matched_tokens(waiting, 0), reps),
             step_ms=median_ms(lambda: admit(sched, request()), reps),
