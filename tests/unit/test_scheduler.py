@@ -173,13 +173,20 @@ def test_role_without_load_never_queries_the_pool():
     assert backend.exists_calls == 0
 
 
-def test_allocated_hit_becomes_a_load_of_exactly_the_pool_blocks():
+def _allocated_hit(local_tokens: int) -> tuple[AioScheduler, Req]:
+    """Request "a" (22 tokens, its first 4 blocks in the pool) with vLLM holding ``local_tokens``
+    itself, allocated blocks 10-15 for the pool's hit."""
     backend, dep = DictBackend(), deployment()
     req = Req("a", 22)
     store(backend, dep, req, 4)
     sched = AioScheduler(dep, backend)
-    n, _ = sched.get_num_new_matched_tokens(req, 4)  # vLLM holds block 0 itself
+    n, _ = sched.get_num_new_matched_tokens(req, local_tokens)
     sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), n)
+    return sched, req
+
+
+def test_allocated_hit_becomes_a_load_of_exactly_the_pool_blocks():
+    sched, req = _allocated_hit(4)  # vLLM holds block 0 itself
     meta = sched.build_connector_meta(step(new=[("a", [10, 11, 12, 13, 14, 15], 16)], scheduled={"a": 6}))
     (load,) = meta.loads
     assert list(load.block_ids) == [11, 12, 13]
@@ -436,12 +443,7 @@ def test_async_loads_are_announced_as_asynchronous():
 
 
 def test_blocks_held_by_vllm_or_loaded_from_the_pool_are_not_saved_again():
-    backend, dep = DictBackend(), deployment()
-    req = Req("a", 22)
-    store(backend, dep, req, 4)
-    sched = AioScheduler(dep, backend)
-    n, _ = sched.get_num_new_matched_tokens(req, 4)  # block 0 from vLLM's own cache
-    sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), n)
+    sched, _ = _allocated_hit(4)  # block 0 from vLLM's own cache
     meta = sched.build_connector_meta(step(new=[("a", [10, 11, 12, 13, 14, 15], 16)], scheduled={"a": 6}))
     assert [list(s.block_ids) for s in meta.saves] == [[14]]
 
@@ -484,12 +486,7 @@ def test_a_save_names_the_blocks_loaded_in_its_step_that_its_request_reads():
 
 
 def test_blocks_vllm_computes_again_after_a_failed_load_are_saved_again():
-    backend, dep = DictBackend(), deployment()
-    req = Req("a", 22)
-    store(backend, dep, req, 4)
-    sched = AioScheduler(dep, backend)
-    n, _ = sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, blocks([10, 11, 12, 13, 14, 15]), n)
+    sched, _ = _allocated_hit(0)
     first = sched.build_connector_meta(step(new=[("a", [10, 11, 12, 13, 14, 15], 16)], scheduled={"a": 6}))
     assert [list(s.block_ids) for s in first.saves] == [[14]]  # not stored: block 12 failed to load
     sched.update_connector_output({12})

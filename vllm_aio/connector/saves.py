@@ -116,8 +116,7 @@ class Saves:
             else:
                 handoff.copied()  # nothing to copy out of the cache
         except Exception as exc:
-            kept = range(len(batch.blocks))
-            statuses = [Status.ERROR] * len(batch.blocks)
+            kept = range(len(batch.blocks))  # every block failed (statuses are still ERROR)
             self._log_failure(Status.ERROR, str(exc))
         counts = Counter(statuses[i] for i in kept)
         for status in (Status.NO_SPACE, Status.ERROR):
