@@ -8,18 +8,25 @@ sequences at most, with its device KV cache set to a fixed number of blocks
 (``--num-gpu-blocks-override``):
 
 - ``fits`` (1,024 blocks: the 8 prefixes and the running requests fit): vLLM's
-  prefix cache alone, and with AioConnector's embedded pool (2 GB) beside it;
+  prefix cache alone, and with AioConnector beside it, on its embedded pool
+  (2 GB) and on a Mooncake pool (a ``mooncake_master`` and a 2 GB memory owner
+  on loopback, started here);
 - ``spills`` (256 blocks: a few requests at a time, the prefixes evict each
   other): no cache at all, vLLM's prefix cache, AioConnector with vLLM's prefix
-  cache off (every cached token a pool hit), AioConnector with it.
+  cache off (every cached token a pool hit), AioConnector with it, on the
+  embedded pool and on Mooncake.
 
-Each configuration gets a fresh server, one warm-up pass with prompts of its
-own (the first store and load of a process pay one-time costs), then ``--repeats``
-measured passes, each with prefixes of its own (another dataset seed): every
-pass starts cold. The table gives the medians over the passes; the ratio is
-the median request rate over that of vLLM's prefix cache alone at the same
-device KV size. ``--quick`` sends 8 prompts over 2 prefixes of 256 tokens, once,
-to two ``spills`` configurations: vLLM's prefix cache, and AioConnector with it off.
+A scenario's servers all run at once, each fresh, with a pool of its own. Each
+gets one warm-up pass with prompts of its own (the first store and load of a
+process pay one-time costs); then come ``--repeats`` rounds, and in each round
+every server gets one measured pass, in an order rotated round by round, so
+that the host's drift (these machines are shared) reaches every configuration
+alike. A round's passes send the same prompts, prefixes none of the earlier
+rounds sent (another dataset seed): every pass starts cold. The table gives
+the medians over the passes; the ratio is the median request rate over that of
+vLLM's prefix cache alone at the same device KV size. ``--quick`` sends 8
+prompts over 2 prefixes of 256 tokens, once and without a warm-up, to two
+``spills`` configurations: vLLM's prefix cache, and AioConnector with it off.
 
 The client is ``vllm bench serve``'s module, ``vllm.benchmarks.serve``, run
 in a process of its own with the same flags (vLLM's ``vllm`` command dies on
@@ -31,6 +38,7 @@ the configuration's client log (the run prints where the logs are).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import subprocess
@@ -38,12 +46,14 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from benchmarks._engine import BLOCK_SIZE, ROOT
 from benchmarks._report import arguments, bar_chart, plot_argument, print_markdown, write_results
 from vllm_aio.devtools.load import SERVER_ENV, read_metrics
+from vllm_aio.devtools.mooncake_pool import MooncakePool
 from vllm_aio.devtools.serve import free_port, log_tail, vllm_server, wait_healthy
 
 SCENARIOS = {"fits": 1024, "spills": 256}  # device KV blocks
@@ -81,12 +91,13 @@ QUICK = Workload(num_prefixes=2, prefix_len=256, suffix_len=32, output_len=4, nu
 
 @dataclass(frozen=True)
 class Config:
-    """One server to measure: its device KV size (the scenario's), vLLM's prefix cache, AioConnector or not."""
+    """One server to measure: its device KV size (the scenario's), vLLM's prefix cache, and AioConnector's
+    store (None: no connector)."""
 
     name: str
     scenario: str
     prefix_cache: bool
-    connector: bool
+    pool: Literal["embedded", "mooncake"] | None
 
     @property
     def blocks(self) -> int:
@@ -103,14 +114,16 @@ class Config:
 
 
 CONFIGS = (
-    Config(VLLM_ALONE, "fits", prefix_cache=True, connector=False),
-    Config("vLLM prefix cache + AioConnector", "fits", prefix_cache=True, connector=True),
-    Config("no cache", "spills", prefix_cache=False, connector=False),
-    Config(VLLM_ALONE, "spills", prefix_cache=True, connector=False),
-    Config("AioConnector, prefix cache off", "spills", prefix_cache=False, connector=True),
-    Config("AioConnector + prefix cache", "spills", prefix_cache=True, connector=True),
+    Config(VLLM_ALONE, "fits", prefix_cache=True, pool=None),
+    Config("vLLM prefix cache + AioConnector", "fits", prefix_cache=True, pool="embedded"),
+    Config("vLLM prefix cache + AioConnector on Mooncake", "fits", prefix_cache=True, pool="mooncake"),
+    Config("no cache", "spills", prefix_cache=False, pool=None),
+    Config(VLLM_ALONE, "spills", prefix_cache=True, pool=None),
+    Config("AioConnector, prefix cache off", "spills", prefix_cache=False, pool="embedded"),
+    Config("AioConnector + prefix cache", "spills", prefix_cache=True, pool="embedded"),
+    Config("AioConnector on Mooncake + prefix cache", "spills", prefix_cache=True, pool="mooncake"),
 )
-QUICK_CONFIGS = (CONFIGS[3], CONFIGS[4])  # the second loads every cached token from the pool
+QUICK_CONFIGS = (CONFIGS[4], CONFIGS[5])  # the second loads every cached token from the pool
 
 
 def server_args(config: Config, work: Workload) -> list[str]:
@@ -121,10 +134,20 @@ def server_args(config: Config, work: Workload) -> list[str]:
             "--shutdown-timeout", "30"]  # lets the engine detach from its pool (see load.server_args)
 
 
-def kv_transfer_config(work: Workload) -> dict:
-    extra = {"local_pool_size": work.pool_size, "local_pool_name": f"serve-{uuid.uuid4().hex[:8]}"}
+def kv_transfer_config(extra: dict) -> dict:
     return {"kv_connector": "AioConnector", "kv_connector_module_path": "vllm_aio.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+def pool_settings(config: Config, work: Workload, stack: contextlib.ExitStack, logs: Path) -> dict | None:
+    """The connector's extra config for ``config``: a fresh embedded pool, or a fresh Mooncake pool started
+    here (its memory owner holds the values; the engine contributes none); None without a connector."""
+    if config.pool == "embedded":
+        return {"local_pool_size": work.pool_size, "local_pool_name": f"serve-{uuid.uuid4().hex[:8]}"}
+    if config.pool == "mooncake":
+        pool = stack.enter_context(MooncakePool(work.pool_size, log_dir=logs / f"{config.slug}-mooncake"))
+        return {"backend": "mooncake", **pool.config}
+    return None
 
 
 def bench_serve(base: str, model: Path, work: Workload, num_prompts: int, seed: int, log: Path) -> dict:
@@ -149,27 +172,54 @@ def bench_serve(base: str, model: Path, work: Workload, num_prompts: int, seed: 
     return result
 
 
-def measure(config: Config, model: Path, work: Workload, repeats: int, logs: Path) -> dict:
-    """Fresh server, a warm-up pass, ``repeats`` measured passes: their medians and every pass's figures."""
+@dataclass
+class Server:
+    """A configuration's running server, the logs it and its client write, and its measured passes."""
+
+    config: Config
+    proc: subprocess.Popen
+    base: str
+    server_log: Path
+    client_log: Path
+    passes: list[dict] = field(default_factory=list)
+
+
+def measure(configs: list[Config], model: Path, work: Workload, repeats: int, warm_up: bool, logs: Path
+            ) -> list[dict]:
+    """A scenario's servers, all fresh and up at once: a warm-up pass each, then ``repeats`` rounds of one
+    measured pass per server, the order rotated each round. Each configuration's medians and passes."""
+    with contextlib.ExitStack() as stack:
+        servers = [start_server(c, model, work, stack, logs) for c in configs]
+        for server in servers:  # started side by side, waited for one by one
+            wait_healthy(server.proc, server.base, server.server_log, 600)
+        if warm_up:
+            for server in servers:
+                bench_serve(server.base, model, work, work.num_prefixes, WARM_UP_SEED, server.client_log)
+        for seed in range(repeats):
+            for server in servers[seed % len(servers):] + servers[:seed % len(servers)]:
+                result = bench_serve(server.base, model, work, work.num_prompts, seed, server.client_log)
+                server.passes.append({"req_s": result["request_throughput"], "mean_ttft_ms": result["mean_ttft_ms"],
+                                      "duration_s": result["duration"], "round": seed})
+                print(f"  {server.config.label}, round {seed + 1}: {server.passes[-1]['req_s']:.2f} req/s, "
+                      f"mean TTFT {server.passes[-1]['mean_ttft_ms']:.0f} ms", flush=True)
+        return [row(server) for server in servers]
+
+
+def start_server(config: Config, model: Path, work: Workload, stack: contextlib.ExitStack, logs: Path) -> Server:
+    extra = pool_settings(config, work, stack, logs)
     server_log, client_log = logs / f"{config.slug}-server.log", logs / f"{config.slug}-client.log"
     port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    kv = kv_transfer_config(work) if config.connector else None
-    passes = []
-    with vllm_server(str(model), port, server_log, server_args(config, work), kv, SERVER_ENV) as proc:
-        wait_healthy(proc, base, server_log, 600)
-        bench_serve(base, model, work, work.num_prefixes, WARM_UP_SEED, client_log)  # one prompt per prefix
-        for seed in range(repeats):
-            result = bench_serve(base, model, work, work.num_prompts, seed, client_log)
-            passes.append({"req_s": result["request_throughput"], "mean_ttft_ms": result["mean_ttft_ms"],
-                           "duration_s": result["duration"]})
-            print(f"  {config.label}, pass {seed + 1}: {passes[-1]['req_s']:.2f} req/s, "
-                  f"mean TTFT {passes[-1]['mean_ttft_ms']:.0f} ms", flush=True)
-        counters = {k: v for k, v in read_metrics(base).items()
-                    if k.endswith("_total") and ("aio_" in k or "prefix_cache" in k)}
-    median = {key: statistics.median(p[key] for p in passes) for key in ("req_s", "mean_ttft_ms")}
-    return {**asdict(config), "label": config.label, "blocks": config.blocks, "median": median, "passes": passes,
-            "counters": counters}
+    kv = kv_transfer_config(extra) if extra is not None else None
+    proc = stack.enter_context(vllm_server(str(model), port, server_log, server_args(config, work), kv, SERVER_ENV))
+    return Server(config, proc, f"http://127.0.0.1:{port}", server_log, client_log)
+
+
+def row(server: Server) -> dict:
+    counters = {k: v for k, v in read_metrics(server.base).items()
+                if k.endswith("_total") and ("aio_" in k or "prefix_cache" in k)}
+    median = {key: statistics.median(p[key] for p in server.passes) for key in ("req_s", "mean_ttft_ms")}
+    return {**asdict(server.config), "label": server.config.label, "blocks": server.config.blocks,
+            "median": median, "passes": server.passes, "counters": counters}
 
 
 def table(rows: list[dict]) -> list[list[str]]:
@@ -195,7 +245,10 @@ def main() -> int:
     configs = [c for c in configs if args.scenario in (None, c.scenario)]
     logs = Path(tempfile.mkdtemp(prefix="vllm_aio_serve_"))
     print(f"{len(configs)} configurations, {repeats} passes each of {work}; logs: {logs}", flush=True)
-    rows = [measure(c, args.model, work, repeats, logs) for c in configs]
+    rows = []
+    for scenario in dict.fromkeys(c.scenario for c in configs):  # one scenario's servers up at a time
+        rows += measure([c for c in configs if c.scenario == scenario], args.model, work, repeats,
+                        warm_up=not args.quick, logs=logs)
     body = table(rows)
     print_markdown(["config", "req/s", "mean TTFT ms", "req/s vs vLLM alone"], body, left=1,
                    title=f"vllm bench serve, prefix_repetition ({work.num_prefixes} x {work.prefix_len} + "
