@@ -11,6 +11,7 @@ path (``mapped_slots.py``). On a GPU machine run
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import pytest
@@ -157,11 +158,15 @@ def test_a_chunk_of_an_abandoned_save_gives_its_staging_back_only_after_its_copy
         return Copied(blocks, unit, piece, None, CopyInFlight(log))
 
     backend = LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, labels.value_bytes(EVERY_LAYER), seal=True)
-    save = StagingSave(backend, staging, 1.0, copy_out)
-    assert save.save(refs([1, 2]), EVERY_LAYER, labels, None, handoff, 0) == [Status.ERROR] * 2
-    value = labels.value_bytes(EVERY_LAYER)
-    # The second chunk's slice, never copied into, goes back at once; the first chunk's once its copy is over.
-    assert log == [f"released at {value}", "copied", "released at 0"]
+    save, got = StagingSave(backend, staging, 1.0, copy_out), []
+    save.save(refs([1, 2]), EVERY_LAYER, labels, None, handoff, 0, got.append)
+    save.drain()
+    assert got == [[Status.ERROR] * 2]
+    # The second chunk's slice, never copied into, goes back (on this thread); the first chunk's
+    # (on the put thread) once its copy is over.
+    assert f"released at {labels.value_bytes(EVERY_LAYER)}" in log
+    assert log.index("copied") < log.index("released at 0")
+    save.close()
 
 
 def test_batch_larger_than_the_staging_buffer_moves_chunk_by_chunk(device_and_shape, monkeypatch):
@@ -179,11 +184,58 @@ def test_batch_larger_than_the_staging_buffer_moves_chunk_by_chunk(device_and_sh
         assert torch.equal(blocks(dst[n], list(range(4, 12))), blocks(src[n], list(range(8))))
 
 
-def test_save_without_staging_space_is_skipped_not_blocked():
+def test_save_without_staging_space_is_dropped_not_blocked():
     saver, _, backend = make_io("cpu", SHAPES["block_major"], None, seed=1, staging=100)
     handoff = CopyHandoff()
-    assert saver.save(refs([1]), EVERY_LAYER, None, handoff) == [Status.NO_SPACE]
+    assert saver.save(refs([1]), EVERY_LAYER, None, handoff) == [Status.DROPPED]
     assert handoff.wait(0)
+
+
+STAGING_DEVICES = [pytest.param(d, marks=marks(d), id=d) for d in ["cpu", "cpu+staged", *CUDA, "npu"]]
+
+
+def gated_puts(backend: LocalBackend) -> threading.Event:
+    """The pool made slow: its puts wait until the returned event is set."""
+    gate, put = threading.Event(), backend.batch_put
+    backend.batch_put = lambda *args: (gate.wait(30), put(*args))[1]
+    return gate
+
+
+@pytest.mark.parametrize("device", STAGING_DEVICES)
+def test_a_save_leaves_the_cache_while_the_puts_of_an_earlier_save_still_wait_on_the_pool(device):
+    shape = SHAPES["block_major"]
+    value = make_io(device, shape, None, seed=1)[0].value_bytes(EVERY_LAYER)
+    saver, src, backend = make_io(device, shape, None, seed=1, staging=3 * value)
+    gate, first, second = gated_puts(backend), [], []
+    earlier, later = CopyHandoff(), CopyHandoff()
+    saver.begin_save(refs([1, 2]), EVERY_LAYER, saver.device.record(), earlier, 0, first.append)
+    saver.begin_save(refs([3], tag="c"), EVERY_LAYER, saver.device.record(), later, 0, second.append)
+    assert earlier.wait(0) and later.wait(0)  # both out of the cache, though nothing is put yet
+    assert first == second == []
+    gate.set()
+    saver.drain()
+    assert first == [[Status.OK] * 2] and second == [[Status.OK]]
+    saver.close()
+
+
+@pytest.mark.parametrize("device", STAGING_DEVICES)
+def test_a_save_whose_staging_earlier_puts_still_hold_is_dropped_without_waiting(device, monkeypatch):
+    shape = SHAPES["block_major"]
+    value = make_io(device, shape, None, seed=1)[0].value_bytes(EVERY_LAYER)
+    saver, _, backend = make_io(device, shape, None, seed=1, staging=2 * value)
+    asked, allocate = [], StagingBuffer.allocate
+    monkeypatch.setattr(StagingBuffer, "allocate",
+                        lambda self, nbytes, timeout: (asked.append(timeout), allocate(self, nbytes, timeout))[1])
+    gate, first, second = gated_puts(backend), [], []
+    saver.begin_save(refs([1, 2]), EVERY_LAYER, saver.device.record(), CopyHandoff(), 0, first.append)
+    handoff = CopyHandoff()
+    saver.begin_save(refs([3], tag="c"), EVERY_LAYER, saver.device.record(), handoff, 0, second.append)
+    assert handoff.wait(0) and asked[-1] == 0  # the staging was asked for without waiting
+    gate.set()
+    saver.drain()
+    assert first == [[Status.OK] * 2] and second == [[Status.DROPPED]]
+    assert backend.batch_exists(saver.keys(refs([3], tag="c"), EVERY_LAYER)) == [False]
+    saver.close()
 
 
 def test_batches_split_into_chunks_keep_every_block_and_every_status(device_and_shape, monkeypatch):

@@ -87,6 +87,7 @@ def test_reduce_of_empty_stats_reports_zero_rates():
         "save_batch_GBps": 0.0,
         "load_failures": 0,
         "save_failures": 0,
+        "save_dropped": 0,
         "loaded_MB": 0.0,
         "load_GBps": 0.0,
         "saved_MB": 0.0,

@@ -36,7 +36,7 @@ def make_worker():
     made = []
 
     def make(backend=None, caches=None, tp_size=1, tp_rank=0, heads=4, salt="", **options):
-        cfg = AioConfig(staging_buffer_size=1 << 20, **options)
+        cfg = AioConfig(**{"staging_buffer_size": 1 << 20, **options})
         dep = deployment(cfg, tp_size, heads, salt)
         backend = backend or LocalBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, dep.value_bytes, seal=True)
         worker = AioWorker(dep, backend, Ownership(dep.topology(tp_rank=tp_rank)), cfg)
@@ -154,6 +154,22 @@ def test_failed_saves_are_logged_once_and_counted(make_worker, caplog):
             saved(worker, AioConnectorMetadata(saves=[transfer([1, 2])]))
     assert caplog.text.count("pool save failed") == 1
     assert worker.take_stats().data["save_failures"] == 6
+
+
+def test_a_save_the_pool_cannot_keep_up_with_is_dropped_logged_once_and_counted(make_worker, caplog):
+    backend = _RaisingBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, VALUE_BYTES, seal=True)
+    gate, put = threading.Event(), LocalBackend.batch_put
+    backend.batch_put = lambda *args: (gate.wait(30), put(backend, *args))[1]  # a slow pool
+    worker, _ = make_worker(backend=backend, staging_buffer_size=2 * VALUE_BYTES)
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        worker.wait_for_save(AioConnectorMetadata(saves=[transfer([1, 2])]))  # fills the staging
+        for step in range(2):  # each out of the cache at once, never offered to the pool
+            worker.wait_for_save(AioConnectorMetadata(saves=[transfer([3], tag=f"s{step}")]))
+        gate.set()
+        worker.drain()
+    stats = worker.take_stats().data
+    assert (stats["save_blocks"], stats["save_dropped"], stats["save_failures"]) == (2, 2, 0)
+    assert caplog.text.count("the puts of earlier saves still held the staging buffer") == 1
 
 
 def test_stats_count_bytes_and_skip_known_blocks(make_worker):

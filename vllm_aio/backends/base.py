@@ -75,6 +75,10 @@ class Status(enum.Enum):
     FOREIGN = "foreign"
     # any call: the store failed or timed out for this key.
     ERROR = "error"
+    # put (set by the connector): never offered to the store, because the puts of
+    # earlier saves still held the staging it needed. A save that cannot keep up
+    # is dropped, never waited for.
+    DROPPED = "dropped"
 
     @property
     def stored(self) -> bool:

@@ -8,7 +8,9 @@
 Either way ``wait_for_save`` then waits (bounded by ``transfer_timeout``)
 until the sending thread has copied the step's blocks out of the cache, so
 vLLM may free or reuse them; the pool puts go on in the background from
-staging. A failed save is counted and logged once per kind; the request goes on.
+staging, on a thread of their own (``block_io/staging_save.py``), and a save
+they cannot keep up with is dropped, not waited for. A failed or dropped save
+is counted and logged once per kind; the request goes on.
 
 A request that read a block whose load failed in the step computed wrong KV
 there (``StepLoads``): its blocks of that step are left out of the save, and
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 
@@ -103,25 +105,34 @@ class Saves:
 
     def _save(self, batch: Batch, unit: Unit, computed: torch.Event | None, handoff: CopyHandoff,
               loads: StepLoads) -> None:
-        """Runs on the sending thread."""
+        """Runs on the sending thread: the copy out of the cache. ``_saved`` follows once the
+        statuses are in (through staging: from the put thread, after the pool puts)."""
         started = time.perf_counter()
-        statuses: list[Status] = [Status.ERROR] * len(batch.blocks)  # a wrongly computed block: not stored
         try:
             wrong = _read_failed_loads(batch, loads)
             kept = [i for i, req_id in enumerate(batch.req_ids) if req_id not in wrong]
-            if kept:
-                got = self._io.save([batch.blocks[i] for i in kept], unit, computed, handoff, batch.retention)
-                for i, status in zip(kept, got):
-                    statuses[i] = status
-            else:
+            if not kept:
                 handoff.copied()  # nothing to copy out of the cache
+                self._saved(batch, unit, started, kept, [])
+                return
+            self._io.begin_save([batch.blocks[i] for i in kept], unit, computed, handoff, batch.retention,
+                                lambda got: self._saved(batch, unit, started, kept, got))
         except Exception as exc:
-            kept = range(len(batch.blocks))  # every block failed (statuses are still ERROR)
             self._log_failure(Status.ERROR, str(exc))
+            self._saved(batch, unit, started, range(len(batch.blocks)), [])  # every block failed
+
+    def _saved(self, batch: Batch, unit: Unit, started: float, kept: Sequence[int], got: list[Status]) -> None:
+        """The statuses of the kept blocks are in: counted, logged, settled."""
+        statuses = [Status.ERROR] * len(batch.blocks)  # a block not kept was computed wrongly: not stored
+        for i, status in zip(kept, got):
+            statuses[i] = status
         counts = Counter(statuses[i] for i in kept)
         for status in (Status.NO_SPACE, Status.ERROR):
             if counts[status]:
                 self._log_failure(status, f"{counts[status]} blocks")
+        if counts[Status.DROPPED]:
+            self._log_failure(Status.DROPPED, f"{counts[Status.DROPPED]} blocks not offered to the pool: the "
+                              "puts of earlier saves still held the staging buffer")
         last = unit is self._units[-1]
         if self._settled is not None:
             self._settle(batch, statuses, last)
@@ -131,6 +142,7 @@ class Saves:
             save_seconds=time.perf_counter() - started,
             save_already_stored=counts[Status.EXISTS] if last else 0,
             save_failures=counts[Status.NO_SPACE] + counts[Status.ERROR],
+            save_dropped=counts[Status.DROPPED],
         )
 
     def _settle(self, batch: Batch, statuses: list[Status], last: bool) -> None:

@@ -41,6 +41,7 @@ COUNTERS = (
     "save_seconds",
     "save_already_stored",  # blocks not saved because the pool held them already
     "save_failures",
+    "save_dropped",  # blocks never offered to the pool: the puts of earlier saves held the staging
     *TIER_COUNTERS,
 )
 # Counters under their former name, exported until the next release: old name -> new name.
@@ -101,6 +102,7 @@ class AioConnectorStats(KVConnectorStats):
             "save_batch_GBps": save_rate,
             "load_failures": d["load_failures"],
             "save_failures": d["save_failures"],
+            "save_dropped": d["save_dropped"],
             **{name: d[name] for name in TIER_COUNTERS if d[name]},  # only where a tiered store counts
             # The same figures under their former names, until the next release.
             "loaded_MB": loaded,

@@ -179,6 +179,7 @@ class AioWorker:
         """Wait until every transfer queued so far has run (its pool put included)."""
         self._recv.drain()
         self._send.drain()
+        self._io.drain()  # the puts the sending thread's saves handed on
 
     def close(self) -> None:
         self._recv.close()

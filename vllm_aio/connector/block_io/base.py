@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -133,11 +134,13 @@ class BlockIO(ABC):
         batch = blocks if isinstance(blocks, DistinctBlocks) else DistinctBlocks(blocks)
         return self._load(batch, unit, self._labels)
 
-    def save(
+    def begin_save(
         self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, handoff: CopyHandoff,
-        retention: int = 0,
-    ) -> list[Status]:
-        """KV cache -> pool, one value per key; ``handoff`` is told once the cache blocks may be reused.
+        retention: int, done: Callable[[list[Status]], None],
+    ) -> None:
+        """KV cache -> pool, one value per key; ``handoff`` is told once the cache blocks may be reused,
+        ``done`` gets a status per block once the pool holds what it will (on a staging path, from
+        the thread that puts, after this returns).
 
         ``computed``: an event after the forward wrote these blocks (None on
         the CPU, where the hooks run after the writes in program order).
@@ -147,8 +150,20 @@ class BlockIO(ABC):
         Mooncake with a key and no value).
         """
         batch = DistinctBlocks(blocks)
-        statuses = self._save(batch.firsts, unit, self._labels, computed, handoff, retention)
-        return batch.spread(statuses, repeat=lambda s: Status.EXISTS if s.stored else s)
+        self._save(batch.firsts, unit, self._labels, computed, handoff, retention,
+                   lambda statuses: done(batch.spread(statuses, repeat=lambda s: Status.EXISTS if s.stored else s)))
+
+    def save(
+        self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, handoff: CopyHandoff,
+        retention: int = 0,
+    ) -> list[Status]:
+        """``begin_save``, returning once the statuses are in."""
+        statuses: Future[list[Status]] = Future()
+        self.begin_save(blocks, unit, computed, handoff, retention, statuses.set_result)
+        return statuses.result()
+
+    def drain(self) -> None:
+        """Returns once every save begun so far has its statuses (its pool puts are over)."""
 
     @abstractmethod
     def _load(self, batch: DistinctBlocks, unit: Unit, labels: ValueLabels) -> Loaded:
@@ -157,9 +172,9 @@ class BlockIO(ABC):
     @abstractmethod
     def _save(
         self, blocks: Sequence[BlockRef], unit: Unit, labels: ValueLabels, computed: torch.Event | None,
-        handoff: CopyHandoff, retention: int,
-    ) -> list[Status]:
-        """``save`` of blocks with distinct keys."""
+        handoff: CopyHandoff, retention: int, done: Callable[[list[Status]], None],
+    ) -> None:
+        """``begin_save`` of blocks with distinct keys."""
 
 
 def chunks(n: int, value_bytes: int, scale: int = 1) -> list[tuple[int, int]]:

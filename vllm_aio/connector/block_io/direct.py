@@ -8,7 +8,7 @@ kernel per chunk reads the slots, one scatter writes them
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -66,6 +66,12 @@ class DirectPath(BlockIO):
         return Loaded(batch.spread(statuses), event, settle)
 
     def _save(
+        self, blocks: Sequence[BlockRef], unit: Unit, labels: ValueLabels, computed: torch.Event | None,
+        handoff: CopyHandoff, retention: int, done: Callable[[list[Status]], None],
+    ) -> None:
+        done(self._save_into_slots(blocks, unit, labels, computed, handoff, retention))
+
+    def _save_into_slots(
         self, blocks: Sequence[BlockRef], unit: Unit, labels: ValueLabels, computed: torch.Event | None,
         handoff: CopyHandoff, retention: int,
     ) -> list[Status]:

@@ -8,7 +8,7 @@ gathered into staging rows and put from there (``staging_save.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -68,9 +68,15 @@ class HostCachePath(BlockIO):
 
     def _save(
         self, blocks: Sequence[BlockRef], unit: Unit, labels: ValueLabels, computed: torch.Event | None,
-        handoff: CopyHandoff, retention: int,
-    ) -> list[Status]:
-        return self._saves.save(blocks, unit, labels, computed, handoff, retention)
+        handoff: CopyHandoff, retention: int, done: Callable[[list[Status]], None],
+    ) -> None:
+        self._saves.save(blocks, unit, labels, computed, handoff, retention, done)
+
+    def drain(self) -> None:
+        self._saves.drain()
+
+    def close(self) -> None:
+        self._saves.close()
 
     def _copy_out(self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, piece: Slice) -> Copied:
         """The hooks run after the forward's writes in program order: ``computed`` is passed already."""

@@ -21,7 +21,7 @@ staging keeps its own until its copy is over, at most the save staging's size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -94,9 +94,15 @@ class StagedPath(BlockIO):
 
     def _save(
         self, blocks: Sequence[BlockRef], unit: Unit, labels: ValueLabels, computed: torch.Event | None,
-        handoff: CopyHandoff, retention: int,
-    ) -> list[Status]:
-        return self._saves.save(blocks, unit, labels, computed, handoff, retention)
+        handoff: CopyHandoff, retention: int, done: Callable[[list[Status]], None],
+    ) -> None:
+        self._saves.save(blocks, unit, labels, computed, handoff, retention, done)
+
+    def drain(self) -> None:
+        self._saves.drain()
+
+    def close(self) -> None:
+        self._saves.close()
 
     def _copy_out(self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, piece: Slice) -> Copied:
         """The gather on the transfer stream, the copy into staging behind it on the link stream.

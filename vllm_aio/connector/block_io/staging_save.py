@@ -1,16 +1,20 @@
 """A save through a staging buffer, shared by the host cache path and the staged path.
 
 The blocks are copied out of the cache into staging chunk by chunk (how is
-the path's ``CopyOut``), ``CopyHandoff`` tells the forward thread the cache
-blocks may be reused, and the pool put runs from staging. Chunks already
-copied out are put as staging runs short, the rest once every block is out,
-each as soon as its own copy into staging is done: on an accelerator the
-copies of later chunks run on meanwhile (``staged.py``).
+the path's ``CopyOut``) on the calling thread, the worker's sending thread;
+``CopyHandoff`` tells the forward thread the cache blocks may be reused once
+every chunk is out. Each chunk is put into the pool from staging on a thread
+of its own, the put thread, as soon as its copy into staging is done: the
+next step's copies never queue behind this step's puts (on an accelerator the
+copies of later chunks run on meanwhile, ``staged.py``). When staging is full
+of chunks that earlier saves have not put yet, the rest of the save is
+dropped (``Status.DROPPED``): a save that cannot keep up is never waited for.
+A save larger than the staging buffer waits (bounded) only where its own
+earlier chunks hold the staging it needs.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,9 +25,13 @@ from vllm_aio.connector.block_io.base import CopyHandoff, chunks
 from vllm_aio.connector.block_io.blocks import BlockRef
 from vllm_aio.connector.block_io.labels import ValueLabels
 from vllm_aio.connector.staging import Slice, StagingBuffer
+from vllm_aio.connector.transfer import TransferThread
 from vllm_aio.device import Device
+from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Unit
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -48,57 +56,67 @@ class StagingSave:
         self._staging = staging
         self._timeout = timeout
         self._copy_out = copy_out
+        self._puts = TransferThread("vllm_aio-put")
+        self._raised = False  # a put raised: logged once
 
     def save(
         self, blocks: Sequence[BlockRef], unit: Unit, labels: ValueLabels, computed: torch.Event | None,
-        handoff: CopyHandoff, retention: int,
-    ) -> list[Status]:
-        """``BlockIO._save`` of blocks with distinct keys, through staging."""
-        statuses: list[Status] = []
-        pending: deque[Copied] = deque()
+        handoff: CopyHandoff, retention: int, done: Callable[[list[Status]], None],
+    ) -> None:
+        """``BlockIO._save`` of blocks with distinct keys, through staging: returns once they are out of
+        the cache; the put thread puts them and calls ``done``."""
+        results: list[list[Status]] = []  # each chunk's statuses, in order, appended by the put thread
         value = labels.value_bytes(unit)
+        rest = Status.ERROR  # of blocks never copied: the forward thread stopped waiting
+        last: Copied | None = None
         try:
             for start, end in chunks(len(blocks), value):
-                piece = self._slice((end - start) * value, pending, statuses, labels, handoff, retention)
-                if piece is None or not handoff.held():
-                    if piece is not None:
-                        self._staging.release(piece)
+                # Staging that this save's own earlier chunks hold frees up as they are put: worth a
+                # bounded wait. Staging that only earlier saves hold: this save cannot keep up.
+                piece = self._staging.allocate((end - start) * value, self._timeout if last else 0)
+                if piece is None:
+                    rest = Status.DROPPED
                     break
-                pending.append(self._copy_out(blocks[start:end], unit, computed, piece))
+                if not handoff.held():
+                    self._staging.release(piece)
+                    break
+                last = self._copy_out(blocks[start:end], unit, computed, piece)
                 computed = None  # later chunks follow on the same stream
-            if pending:  # the last gather also covers the earlier ones (stream order)
-                Device.synchronize(pending[-1].gathered)
+                self._puts.submit(self._put, last, labels, handoff, retention, results)
+            if last is not None:  # the last gather also covers the earlier ones (stream order)
+                Device.synchronize(last.gathered)
         finally:
-            keep = handoff.copied()
-        while pending:
-            statuses += self._put(pending.popleft(), labels, keep, retention)
-        return statuses + [Status.NO_SPACE if keep else Status.ERROR] * (len(blocks) - len(statuses))
+            handoff.copied()
+        self._puts.submit(lambda: done([s for chunk in results for s in chunk]
+                                       + [rest] * (len(blocks) - sum(map(len, results)))))
 
-    def _slice(
-        self, nbytes: int, pending: deque[Copied], statuses: list[Status], labels: ValueLabels,
-        handoff: CopyHandoff, retention: int,
-    ) -> Slice | None:
-        """Staging for the next chunk; puts earlier chunks of this save to make room."""
-        while (piece := self._staging.allocate(nbytes, 0)) is None and pending:
-            oldest = pending.popleft()
-            Device.synchronize(oldest.gathered)
-            statuses += self._put(oldest, labels, handoff.held(), retention)
-        return piece or self._staging.allocate(nbytes, self._timeout)
+    def drain(self) -> None:
+        self._puts.drain()
 
-    def _put(self, chunk: Copied, labels: ValueLabels, keep: bool, retention: int) -> list[Status]:
-        """Pool put of one copied chunk, unless its copy may be torn (``keep`` False)."""
+    def close(self) -> None:
+        self._puts.close()
+
+    def _put(self, chunk: Copied, labels: ValueLabels, handoff: CopyHandoff, retention: int,
+             results: list[list[Status]]) -> None:
+        """On the put thread: one copied chunk into the pool, unless its copy may be torn."""
         n = len(chunk.blocks)
+        statuses = [Status.ERROR] * n
         try:
             # Even a chunk never put: its rows (and its device source) are given back only
             # once the copy into them is over, or the next slice there could be overwritten.
             Device.synchronize(chunk.in_staging)
-            if not keep:
-                return [Status.ERROR] * n
-            rows = chunk.piece.tensor.view(n, -1)
-            headers = bytearray(b"".join(labels.headers(chunk.blocks, chunk.unit)))
-            rows[:, :HEADER_BYTES] = torch.frombuffer(headers, dtype=torch.uint8).view(n, HEADER_BYTES)
-            value = rows.shape[1]
-            segments = [[(chunk.piece.address + i * value, value)] for i in range(n)]
-            return self._backend.batch_put(labels.keys(chunk.blocks, chunk.unit), segments, retention)
+            # Held now, after its copy: the copy read the blocks before vLLM could reuse them.
+            if handoff.held():
+                rows = chunk.piece.tensor.view(n, -1)
+                headers = bytearray(b"".join(labels.headers(chunk.blocks, chunk.unit)))
+                rows[:, :HEADER_BYTES] = torch.frombuffer(headers, dtype=torch.uint8).view(n, HEADER_BYTES)
+                value = rows.shape[1]
+                segments = [[(chunk.piece.address + i * value, value)] for i in range(n)]
+                statuses = self._backend.batch_put(labels.keys(chunk.blocks, chunk.unit), segments, retention)
+        except Exception as exc:  # the store unusable (closed, gone): its blocks count as failed saves
+            if not self._raised:
+                self._raised = True
+                logger.warning("vllm_aio: pool put raised (%s); later such saves are only counted", exc)
         finally:
             self._staging.release(chunk.piece)
+            results.append(statuses)
