@@ -9,8 +9,10 @@ more than the copy.
 
 Slices are handed out ring-wise: transfers finish roughly in the order they
 started, so a slice freed out of order only waits for the older ones ahead of
-it. When the ring is full, ``allocate`` waits (bounded) for a release: a slow
-pool slows saves down instead of growing memory without limit. A slice still
+it. When the ring is full, ``allocate`` waits (bounded) for a release, or not
+at all where the caller says so: a save whose staging only earlier saves' puts
+hold is dropped (``staging_save.py``), so a slow pool neither grows memory
+without limit nor slows the forward down. A slice still
 read or filled by a device copy is released *after* that copy's event: it
 returns to the ring once the event has completed, and an allocation that finds
 no room waits for the oldest such copy rather than for a timeout.
