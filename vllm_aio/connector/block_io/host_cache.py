@@ -8,15 +8,15 @@ gathered into staging rows and put from there (``staging_save.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from vllm_aio.backends import Backend, Status
-from vllm_aio.connector.block_io.base import BlockIO, CopyHandoff, Loaded, chunks
+from vllm_aio.connector.block_io.base import Loaded, chunks
 from vllm_aio.connector.block_io.blocks import BlockRef, DistinctBlocks
 from vllm_aio.connector.block_io.labels import ValueLabels, check_headers
-from vllm_aio.connector.block_io.staging_save import Copied, StagingSave
+from vllm_aio.connector.block_io.staging_save import Copied, SavesThroughStaging
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.connector.staging import Slice, StagingBuffer
 from vllm_aio.device import Device
@@ -24,17 +24,16 @@ from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Unit
 
 
-class HostCachePath(BlockIO):
+class HostCachePath(SavesThroughStaging):
     def __init__(
         self, labels: ValueLabels, device: Device, layout: BlockLayout, backend: Backend,
         load_staging: StagingBuffer, save_staging: StagingBuffer, timeout: float,
     ) -> None:
-        super().__init__(labels, device)
+        super().__init__(labels, device, backend, save_staging, timeout)
         self._layout = layout
         self._backend = backend
         self._headers = load_staging
         self._timeout = timeout
-        self._saves = StagingSave(backend, save_staging, timeout, self._copy_out)
 
     def _load(self, batch: DistinctBlocks, unit: Unit, labels: ValueLabels) -> Loaded:
         statuses: list[Status] = []
@@ -65,18 +64,6 @@ class HostCachePath(BlockIO):
             src, dst = zip(*copies)
             self._layout.copy_blocks(torch.tensor(src), torch.tensor(dst), unit.layers)
         return statuses
-
-    def _save(
-        self, blocks: Sequence[BlockRef], unit: Unit, labels: ValueLabels, computed: torch.Event | None,
-        handoff: CopyHandoff, retention: int, done: Callable[[list[Status]], None],
-    ) -> None:
-        self._saves.save(blocks, unit, labels, computed, handoff, retention, done)
-
-    def drain(self) -> None:
-        self._saves.drain()
-
-    def close(self) -> None:
-        self._saves.close()
 
     def _copy_out(self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, piece: Slice) -> Copied:
         """The hooks run after the forward's writes in program order: ``computed`` is passed already."""

@@ -21,15 +21,15 @@ staging keeps its own until its copy is over, at most the save staging's size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from vllm_aio.backends import Backend, Status
-from vllm_aio.connector.block_io.base import BlockIO, CopyHandoff, Loaded, chunks
+from vllm_aio.connector.block_io.base import Loaded, chunks
 from vllm_aio.connector.block_io.blocks import BlockRef, DistinctBlocks
 from vllm_aio.connector.block_io.labels import ValueLabels, check_headers
-from vllm_aio.connector.block_io.staging_save import Copied, StagingSave
+from vllm_aio.connector.block_io.staging_save import Copied, SavesThroughStaging
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.connector.staging import Slice, StagingBuffer
 from vllm_aio.device import Device
@@ -37,19 +37,18 @@ from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Unit
 
 
-class StagedPath(BlockIO):
+class StagedPath(SavesThroughStaging):
     def __init__(
         self, labels: ValueLabels, device: Device, layout: BlockLayout, backend: Backend,
         load_staging: StagingBuffer, save_staging: StagingBuffer, timeout: float,
     ) -> None:
-        super().__init__(labels, device)
+        super().__init__(labels, device, backend, save_staging, timeout)
         self._layout = layout
         self._backend = backend
         self._loads = load_staging
         self._timeout = timeout
         self._stream = device.new_stream()
         self._link = device.new_stream()  # a save's copies into staging, behind its gathers
-        self._saves = StagingSave(backend, save_staging, timeout, self._copy_out)
 
     def _load(self, batch: DistinctBlocks, unit: Unit, labels: ValueLabels) -> Loaded:
         statuses: list[Status] = []
@@ -91,18 +90,6 @@ class StagedPath(BlockIO):
                 scratch = scratch.index_select(0, self.device.indices(list(row_of)))
             self._layout.scatter(scratch[:, HEADER_BYTES:], self.device.indices(list(ids)), unit.layers)
             return statuses, self.device.record(self._stream)
-
-    def _save(
-        self, blocks: Sequence[BlockRef], unit: Unit, labels: ValueLabels, computed: torch.Event | None,
-        handoff: CopyHandoff, retention: int, done: Callable[[list[Status]], None],
-    ) -> None:
-        self._saves.save(blocks, unit, labels, computed, handoff, retention, done)
-
-    def drain(self) -> None:
-        self._saves.drain()
-
-    def close(self) -> None:
-        self._saves.close()
 
     def _copy_out(self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, piece: Slice) -> Copied:
         """The gather on the transfer stream, the copy into staging behind it on the link stream.

@@ -15,13 +15,14 @@ earlier chunks hold the staging it needs.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from vllm_aio.backends import Backend, Status
-from vllm_aio.connector.block_io.base import CopyHandoff, chunks
+from vllm_aio.connector.block_io.base import BlockIO, CopyHandoff, chunks
 from vllm_aio.connector.block_io.blocks import BlockRef
 from vllm_aio.connector.block_io.labels import ValueLabels
 from vllm_aio.connector.staging import Slice, StagingBuffer
@@ -120,3 +121,29 @@ class StagingSave:
         finally:
             self._staging.release(chunk.piece)
             results.append(statuses)
+
+
+class SavesThroughStaging(BlockIO):
+    """A path whose saves go through staging (``StagingSave``): the host cache path and the staged path,
+    each with its own ``_copy_out``."""
+
+    def __init__(self, labels: ValueLabels, device: Device, backend: Backend, save_staging: StagingBuffer,
+                 timeout: float) -> None:
+        super().__init__(labels, device)
+        self._saves = StagingSave(backend, save_staging, timeout, self._copy_out)
+
+    @abstractmethod
+    def _copy_out(self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, piece: Slice) -> Copied:
+        """Copies the payloads of (blocks, unit), once ``computed`` has passed, into the rows of ``piece``."""
+
+    def _save(
+        self, blocks: Sequence[BlockRef], unit: Unit, labels: ValueLabels, computed: torch.Event | None,
+        handoff: CopyHandoff, retention: int, done: Callable[[list[Status]], None],
+    ) -> None:
+        self._saves.save(blocks, unit, labels, computed, handoff, retention, done)
+
+    def drain(self) -> None:
+        self._saves.drain()
+
+    def close(self) -> None:
+        self._saves.close()
