@@ -69,13 +69,7 @@ class DirectPath(BlockIO):
         self, blocks: Sequence[BlockRef], unit: Unit, labels: ValueLabels, computed: torch.Event | None,
         handoff: CopyHandoff, retention: int, done: Callable[[list[Status]], None],
     ) -> None:
-        done(self._save_into_slots(blocks, unit, labels, computed, handoff, retention))
-
-    def _save_into_slots(
-        self, blocks: Sequence[BlockRef], unit: Unit, labels: ValueLabels, computed: torch.Event | None,
-        handoff: CopyHandoff, retention: int,
-    ) -> list[Status]:
-        """Straight into reserved pool slots.
+        """Straight into reserved pool slots; ``done`` is called before this returns.
 
         ``handoff`` is told once the last gather out of the cache is done; the
         slots are published once the payload copies into them are too.
@@ -114,4 +108,4 @@ class DirectPath(BlockIO):
                 continue
             for p, stored in zip(positions, self._slots.publish(slots, labels.headers(chunk, unit), written)):
                 statuses[p] = Status.OK if stored else Status.EXISTS
-        return statuses + [Status.ERROR] * (len(blocks) - len(statuses))
+        done(statuses + [Status.ERROR] * (len(blocks) - len(statuses)))
