@@ -62,6 +62,13 @@ class TransferMode(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def runs_per_layer(self) -> bool:
+        """Whether its hooks must run at every layer of every forward (``wait_for_layer_load``,
+        ``save_kv_layer``). A replayed FULL CUDA or ACL graph calls neither: the layers would
+        read KV that never arrived, and what they computed would never be saved."""
+        return self in (TransferMode.LAYERWISE, TransferMode.DYNAMIC_BUFFER)
+
 
 TRANSFER_MODES = tuple(m.value for m in TransferMode)
 
@@ -167,6 +174,14 @@ class AioConfig:
                 f"migration_protocol: expected one of {', '.join(MIGRATION_PROTOCOLS)}, "
                 f"got {self.migration_protocol!r}"
             )
+
+
+def transfer_mode_of(extra: Mapping[str, Any]) -> TransferMode:
+    """The transfer mode ``kv_connector_extra_config`` selects, without the rest of its checks
+    (vLLM asks before the connector exists: ``AioConnector.requires_piecewise_for_cudagraph``)."""
+    if "transfer_mode" in extra:
+        return _transfer_mode("transfer_mode", extra["transfer_mode"])
+    return _replaced_mode_keys(extra).get("transfer_mode", AioConfig.transfer_mode)
 
 
 def _transfer_mode(key: str, value: Any) -> TransferMode:

@@ -40,7 +40,10 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Not specialised on the row count, the strides or where an index starts (a slice of a larger
+    # one), so the variant compiled at start (``MappedSlots.warm_up``) serves every batch.
+    @triton.jit(do_not_specialize=["dst_stride", "src_stride", "rows"],
+                do_not_specialize_on_alignment=["dst_index", "src_index"])
     def copy_rows(dst, dst_stride, dst_index, src, src_stride, src_index, rows, width,
                   DST_INDEXED: tl.constexpr, SRC_INDEXED: tl.constexpr, BLOCK: tl.constexpr):
         offsets = tl.arange(0, BLOCK)

@@ -34,7 +34,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Not specialised on what changes between batches of one deployment (a row stride, where the
+    # ids start), so the kernel compiled at start (``BlockLayout.warm_up``) serves every batch.
+    @triton.jit(do_not_specialize=["row_stride"], do_not_specialize_on_alignment=["ids"])
     def copy_planes(rows, row_stride, planes, ids, width, block_stride, TO_CACHE: tl.constexpr,
                     BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)

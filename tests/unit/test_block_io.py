@@ -77,6 +77,18 @@ def device_and_shape(request):
     return request.param[0], SHAPES[request.param[1]]
 
 
+def test_warm_up_leaves_the_cache_and_the_pool_as_they_were(device_and_shape):
+    """Every path compiles its copies at registration (``BlockIO.warm_up``) without moving a value."""
+    device, shape = device_and_shape
+    io, caches, backend = make_io(device, shape, None, seed=3)
+    before = {name: cache.cpu().clone() for name, cache in caches.items()}
+    io.warm_up([EVERY_LAYER.layers, LAYER_1.layers])
+    assert all(torch.equal(caches[name].cpu(), before[name]) for name in caches)
+    assert backend.gauges()["pool_stored_values"] == 0
+    io.close()
+    backend.close()
+
+
 def test_saved_blocks_load_into_other_block_ids_byte_for_byte(device_and_shape):
     device, shape = device_and_shape
     saver, src, backend = make_io(device, shape, None, seed=1)

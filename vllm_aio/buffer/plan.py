@@ -29,6 +29,7 @@ from typing import Any
 
 from vllm_aio import vllm_compat
 from vllm_aio.config import AioConfig, ConfigError, TransferMode, parse_extra_config
+from vllm_aio.graph_mode import refuse_full_graphs
 from vllm_aio.log import get_logger
 from vllm_aio.registration import selects_aio
 
@@ -120,12 +121,7 @@ def reserve_private(config: Any, private: int) -> None:
 
 def refuse_unsupported(vllm_config: Any) -> None:
     """Features that run layers out of order or skip the per-layer hooks."""
-    mode = vllm_config.compilation_config.cudagraph_mode
-    if mode is not None and mode.has_full_cudagraphs():
-        raise ConfigError(
-            f"transfer_mode dynamic_buffer: cudagraph_mode {mode.name} replays whole forwards without the per-layer "
-            "hooks the buffer needs; use PIECEWISE or NONE"
-        )
+    refuse_full_graphs(TransferMode.DYNAMIC_BUFFER, vllm_config)
     if vllm_config.speculative_config is not None:
         raise ConfigError("transfer_mode dynamic_buffer: speculative decoding (draft layers) is not supported")
     if getattr(vllm_config.parallel_config, "enable_dbo", False):

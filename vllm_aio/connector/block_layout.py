@@ -33,7 +33,7 @@ numpy's take first copied the whole plane (``docs/benchmarks.md``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +104,17 @@ class BlockLayout:
             for p in self.planes[i]:
                 p.blocks.index_copy_(0, block_ids, src[:, offset : offset + p.size])
                 offset += p.size
+
+    def warm_up(self, layer_sets: Iterable[Sequence[int]]) -> None:
+        """Block 0 of each layer set copied out and back, unchanged, so the copy kernels compile and load
+        now (Triton's on their first launch), not in the first request's step. At registration, before
+        vLLM's first forward: no step reads the block meanwhile."""
+        block = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for layers in layer_sets:
+            rows = torch.empty((1, self.payload_bytes(layers)), dtype=torch.uint8, device=self.device)
+            self.gather(block, layers, rows)
+            self.scatter(rows, block, layers)
+        Device.synchronize(Device(self.device).record())
 
     def copy_blocks(self, src_ids: torch.Tensor, dst_ids: torch.Tensor, layers: Sequence[int]) -> None:
         """Copy blocks ``src_ids[i]`` -> ``dst_ids[i]`` within the cache, for ``layers``."""

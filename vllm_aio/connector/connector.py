@@ -20,7 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm_aio import vllm_compat
 from vllm_aio.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
 from vllm_aio.backends import Backend, create_backend
-from vllm_aio.config import TransferMode, parse_extra_config
+from vllm_aio.backends.settings import ConfigError
+from vllm_aio.config import TransferMode, parse_extra_config, transfer_mode_of
 from vllm_aio.connector.deployment import build_deployment
 from vllm_aio.connector.events import KVEvents
 from vllm_aio.connector.metadata import AioConnectorMetadata
@@ -96,6 +97,16 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
             self._amx = _amx_for_cpu_attention()
             self._worker = AioWorker(dep, backend, Ownership(_topology(dep)), cfg, kv_events=kv_events)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """vLLM asks before building the connector: modes whose work runs in the per-layer hooks need
+        PIECEWISE graphs, which a FULL graph's replay would skip (``graph_mode.py``). A config that
+        names no valid mode answers False here and fails at the connector's start, naming the key."""
+        try:
+            return transfer_mode_of(extra_config or {}).runs_per_layer
+        except ConfigError:
+            return False
+
     def open_backend(self, cfg: "AioConfig", dep: "Deployment", for_scheduler: bool) -> Backend:
         """The pool store this half uses. The one seam for subclasses (the tests'
         fault-injecting and recording connectors wrap what it returns)."""
@@ -120,19 +131,26 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
             # vLLM binds inside the step's forward context, before the forward.
             self._worker.begin_step(self._meta(), get_forward_context() if is_forward_context_available() else None)
 
+    # Each hook returns at once where no metadata is bound: vLLM's graph capture, and vllm-ascend's
+    # MLA/SFA/DSA attention in capture and in idle data-parallel ranks' dummy runs, call the per-layer
+    # hooks outside any scheduled step.
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        self._worker.start_load_kv(self._meta())
+        if self.has_connector_metadata():
+            self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker.wait_for_layer_load(layer_name)
+        if self.has_connector_metadata():
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: "LayerCache", attn_metadata: Any, **kwargs: Any) -> None:
         # kv_layer goes unread: the layer's blocks are found by name in the registered caches. vllm-ascend
         # passes lists here (MLA, SFA, DSA) and, from its GDN layers, ("", []): a name no save knows.
-        self._worker.save_kv_layer(layer_name, self._meta())
+        if self.has_connector_metadata():
+            self._worker.save_kv_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
-        self._worker.wait_for_save(self._meta())
+        if self.has_connector_metadata():
+            self._worker.wait_for_save(self._meta())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         # vLLM 0.32 asks this, with the requests whose load failed (a hybrid model's); older ones get_finished.

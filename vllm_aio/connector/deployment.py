@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from vllm_aio import vllm_compat
 from vllm_aio.config import AioConfig, ConfigError, TransferMode
+from vllm_aio.graph_mode import refuse_full_graphs
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Namespace, Unit
 from vllm_aio.pool.ownership import Topology
@@ -108,6 +109,7 @@ def build_deployment(
     groups = _cache_groups(kv_cache_config)
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     _check_features(groups, kv_cache_config, cfg, vllm_config)
+    refuse_full_graphs(cfg.transfer_mode, vllm_config)
     layers = groups[0].layer_names
     parallel = vllm_config.parallel_config
     block_size = _block_size(kv_cache_config, vllm_config, spec, parallel.decode_context_parallel_size)

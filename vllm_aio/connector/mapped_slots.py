@@ -31,12 +31,13 @@ else owns.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from vllm_aio import host_copy
 from vllm_aio.backends import SlotStore, Status
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.device import Device, MappedHost, host_tensor
@@ -104,6 +105,10 @@ class MappedSlots:
 
     def close(self) -> None:
         self._mapped.release()
+
+    def warm_up(self, layer_sets: Iterable[Sequence[int]]) -> None:
+        """Compile and load this path's copies at start (``BlockIO.warm_up``); no slot is written."""
+        self._copies.warm_up(layer_sets)
 
     # ---- loads -------------------------------------------------------------
     @staticmethod
@@ -210,6 +215,17 @@ class _KernelCopies:
         # across the link instead of running after it.
         self._write_stream = device.new_stream()
 
+    def warm_up(self, layer_sets: Iterable[Sequence[int]]) -> None:
+        """The cache's copy kernels, and the link copy both ways between device rows shaped as the
+        slots (same width, the payload at the same offset)."""
+        self._layout.warm_up(layer_sets)
+        a, b = (torch.zeros((1, self._rows.shape[1]), dtype=torch.int64, device=self._rows.device) for _ in "ab")
+        index = self._device.indices([0])
+        payload = slice(HEADER_BYTES // _WORD, None)
+        self._device.copy_rows(a, None, b, index)
+        self._device.copy_rows(a[:, payload], index, b[:, payload], None)
+        Device.synchronize(self._device.record())
+
     def to_cache(self, slots: np.ndarray, plan: LoadPlan, layers: Sequence[int]) -> torch.Event:
         """Gather ``slots`` across the link, then scatter row ``plan.row_of[j]`` into block ``plan.block_ids[j]``."""
         n, m = len(slots), len(plan.block_ids)
@@ -263,6 +279,10 @@ class _HostCopies:
         self._base = store.region()[0] + HEADER_BYTES  # the payload of slot 0
         self._slot_size = store.slot_size
         self._layout = layout
+
+    @staticmethod
+    def warm_up(layer_sets: Iterable[Sequence[int]]) -> None:
+        host_copy.warm_up()
 
     def _planes(self, layers: Sequence[int]) -> list[tuple[int, int, int, int]]:
         """(plane base, plane stride, bytes, offset in the payload) of each plane of ``layers``."""

@@ -87,6 +87,7 @@ class AioWorker:
                 f"KV cache blocks make values of {self._io.value_bytes(self._units[0])} bytes but the KV "
                 f"cache config promises {self._dep.value_bytes}; padded or mixed layouts are not supported"
             )
+        self._io.warm_up({unit.layers for unit in self._units})
         self._report = LoadReport(self._io, self._units[-1], self._add_stats)
         self._loads = self._choose_loads()
         self._saves = self._choose_saves()

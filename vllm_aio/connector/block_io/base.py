@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -120,6 +120,11 @@ class BlockIO(ABC):
 
     def close(self) -> None:
         """Release what the path holds of the backend's memory; before the backend closes."""
+
+    def warm_up(self, layer_sets: Iterable[Sequence[int]]) -> None:
+        """Compile and load the copies this path runs (Triton kernels, numba loops) for values of
+        these layer sets, at registration: the first request's step then pays nothing for them.
+        Moves no value and writes nothing of the pool."""
 
     def prepare(self, blocks: Sequence[BlockRef]) -> DistinctBlocks:
         """A batch loaded unit after unit (layerwise): prepared once, handed to every ``load``."""

@@ -8,7 +8,7 @@ kernel per chunk reads the slots, one scatter writes them
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ class DirectPath(BlockIO):
     def close(self) -> None:
         """Unmap what the device mapped; before the backend closes."""
         self._slots.close()
+
+    def warm_up(self, layer_sets: Iterable[Sequence[int]]) -> None:
+        self._slots.warm_up(layer_sets)
 
     def _load(self, batch: DistinctBlocks, unit: Unit, labels: ValueLabels) -> Loaded:
         statuses: list[Status] = []

@@ -21,7 +21,7 @@ staging keeps its own until its copy is over, at most the save staging's size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -49,6 +49,9 @@ class StagedPath(SavesThroughStaging):
         self._timeout = timeout
         self._stream = device.new_stream()
         self._link = device.new_stream()  # a save's copies into staging, behind its gathers
+
+    def warm_up(self, layer_sets: Iterable[Sequence[int]]) -> None:
+        self._layout.warm_up(layer_sets)
 
     def _load(self, batch: DistinctBlocks, unit: Unit, labels: ValueLabels) -> Loaded:
         statuses: list[Status] = []
