@@ -24,7 +24,7 @@ PYTEST_ARGS ?= -v -p no:cacheprovider $(if $(CI),--color=no -ra --durations=30,)
 # of memory (24 GiB: the kernel killed a worker of the migration tests' three servers).
 PARALLEL := -n 2 --dist loadfile
 
-.PHONY: venv install syspkgs model demo test test-unit test-integration test-e2e test-bench test-gpu test-npu
+.PHONY: venv install syspkgs model demo test test-unit test-integration test-e2e test-bench test-gpu test-gpu-engine test-npu
 
 venv: $(VPY)
 
@@ -117,6 +117,12 @@ test-gpu:
 	$(PYTHON) -m benchmarks.block_io_device --quick
 	$(PYTHON) -m benchmarks.layer_pipeline --quick
 	$(PYTHON) -m benchmarks.dynamic_buffer --quick
+
+# On a GPU host with vLLM's CUDA build importable (the H200: ../shared/notes/gpu-engine.md, then
+# `source .gpu-vllm/c/install.sh`): the connector in real CUDA engines, graphs at their defaults,
+# every transfer mode's pool hits against vLLM's own prefix-cache hits (tests/gpu_engine/).
+test-gpu-engine:
+	$(PYTHON) -m pytest tests/gpu_engine -p no:cacheprovider -v -ra -s
 
 # On an Ascend host, inside vllm-ascend's image (quay.io/ascend/vllm-ascend:v0.23.0 has CANN,
 # torch_npu, vLLM and vllm-ascend): the tests marked npu, as .github/workflows/npu.yml runs them.

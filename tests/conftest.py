@@ -171,7 +171,8 @@ class Engine:
         # engine core runs in the runner's process (its worker still in one of
         # its own): a process fewer to start, 4-13 s of a 25-38 s run here.
         full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0", **THREADS,
-                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": f"{ROOT}:{RUNNER.parent}", **(env or {})}
+                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": os.pathsep.join([str(ROOT), str(RUNNER.parent), *filter(None, [os.environ.get("PYTHONPATH")])]),
+                    **(env or {})}
         with open(log_path, "w") as log:
             proc = subprocess.Popen([sys.executable, str(RUNNER), str(spec_path), str(result_path)],
                                     env=full_env, stdout=log, stderr=subprocess.STDOUT)

@@ -23,11 +23,14 @@ def run(spec: dict) -> dict:
     if spec.get("kv_cache_memory_bytes"):  # vLLM's CPU build lets the GiB variable win
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
+    # On an accelerator (the GPU engine tier): graphs as deployments run them, and a memory share.
+    accelerator = {key: spec[key] for key in ("compilation_config", "gpu_memory_utilization") if key in spec}
     llm = LLM(
         spec["model"],
         max_model_len=spec.get("max_model_len", 4096),
         block_size=spec.get("block_size", 32),
-        enforce_eager=True,
+        enforce_eager=spec.get("enforce_eager", True),
+        **accelerator,
         enable_prefix_caching=spec.get("enable_prefix_caching", False),
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192),
         # One request at a time: which requests share a step depends on when the
@@ -56,6 +59,8 @@ def run(spec: dict) -> dict:
     for i, prompts in enumerate(spec["rounds"]):
         if i and spec.get("handshake_dir"):
             _handshake(Path(spec["handshake_dir"]), i)
+        if i and spec.get("reset_prefix_cache_between_rounds"):  # a round's hits then come from the connector
+            assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
         priority = spec["priorities"][i] if spec.get("priorities") else None
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, priority=priority)
         rounds.append([_result(o, dtype) for o in outputs])
