@@ -185,6 +185,8 @@ class AioWorker:
     def close(self) -> None:
         self._recv.close()
         self._send.close()
-        self._buffer.close()
-        self._io.close()  # unmaps the pool's slots before the pool goes
+        if self._buffer is not None:  # None where registration refused the cache
+            self._buffer.close()
+        if self._io is not None:
+            self._io.close()  # unmaps the pool's slots before the pool goes
         self._backend.close()
