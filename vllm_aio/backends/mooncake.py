@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
 import os
 import threading
 import time
@@ -116,6 +117,20 @@ def _env_default(name: str, value: str) -> Iterator[None]:
         os.environ.pop(name, None)
 
 
+def _select_npu() -> None:
+    """Have an NPU current in this process before the client starts, where torch_npu exists.
+
+    Mooncake's NPU build starts its Ascend transport in ``setup`` whatever the
+    protocol (tcp too), and that transport asks for the current NPU, which
+    vLLM's scheduler process never selects (``device.set_process_npu``).
+    Elsewhere nothing is imported: the scheduler half stays without torch.
+    """
+    if importlib.util.find_spec("torch_npu") is not None:
+        from vllm_aio.device import set_process_npu
+
+        set_process_npu()
+
+
 def put_status(code: int) -> Status:
     """The status of one key after a put returned ``code``."""
     if code >= 0:
@@ -183,6 +198,7 @@ class MooncakeBackend(Backend):
                 f"Mooncake master at {s.master_server_address} is unreachable "
                 f"(no TCP connection within {connect_timeout:.1f} s); start it or fix master_server_address"
             )
+        _select_npu()
         store = store_factory()
         # Like vLLM, name the tenant only when there is one.
         tenant = {} if s.tenant_id == DEFAULT_TENANT_ID else {"tenant_id": s.tenant_id}
