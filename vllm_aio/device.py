@@ -290,6 +290,26 @@ def set_process_npu() -> int | None:
     return 0
 
 
+# Ascend storage formats (aclFormat) whose bytes lie where the tensor's strides say. torch_npu
+# reports the logical strides for any other (a private format such as FRACTAL_NZ, which
+# vllm-ascend gives KV caches on Ascend 310P), so only the format tells them apart.
+STRIDED_NPU_FORMATS = {0: "NCHW", 1: "NHWC", 2: "ND", 30: "NCDHW"}
+_PRIVATE_NPU_FORMATS = {3: "NC1HWC0", 4: "FRACTAL_Z", 29: "FRACTAL_NZ", 32: "NDC1HWC0", 33: "FRACTAL_Z_3D"}
+
+
+def npu_private_format(tensor: torch.Tensor) -> str | None:
+    """The storage format of an NPU tensor whose bytes do not follow its strides (e.g.
+    ``"FRACTAL_NZ (29)"``); None for any other tensor (CPU, CUDA, NPU in a strided format)."""
+    if tensor.device.type != "npu":
+        return None
+    import torch_npu  # loaded already: the tensor is on an NPU
+
+    code = int(torch_npu.get_npu_format(tensor))
+    if code in STRIDED_NPU_FORMATS:
+        return None
+    return f"{_PRIVATE_NPU_FORMATS.get(code, 'aclFormat')} ({code})"
+
+
 def host_tensor(address: int, nbytes: int) -> torch.Tensor:
     """``nbytes`` of host memory at ``address`` as a CPU uint8 tensor (no copy; the caller keeps the memory alive)."""
     if not nbytes:
