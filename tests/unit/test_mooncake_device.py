@@ -242,10 +242,20 @@ def test_device_direct_registers_the_kv_cache_and_its_staging_as_device_memory(m
     backend.close()
 
 
-def test_device_direct_puts_from_device_staging_and_gets_into_the_cache_blocks(master, npu_on_the_cpu):
+@pytest.fixture
+def pair(master, npu_on_the_cpu):
+    """(source caches, destination caches, store, saver, loader): two device-direct paths on one store."""
     src, dst, store = caches(1), caches(2), StandInStore()
     backend = backend_for(master, store, value_bytes=value_bytes(src))
     saver, loader = open_io(src, backend), open_io(dst, backend)
+    yield src, dst, store, saver, loader
+    saver.close()
+    loader.close()
+    backend.close()
+
+
+def test_device_direct_puts_from_device_staging_and_gets_into_the_cache_blocks(pair):
+    src, dst, store, saver, loader = pair
     assert saver.save(refs([1, 4, 6]), EVERY_LAYER, None, CopyHandoff()) == [Status.OK] * 3
     name, puts = store.calls[-1]
     assert name == "batch_put_from" and all(store.in_registered(p, n) for p, n in puts)
@@ -260,15 +270,10 @@ def test_device_direct_puts_from_device_staging_and_gets_into_the_cache_blocks(m
         assert segments[0][1] == HEADER_BYTES and store.in_registered(*segments[0])
     for n in LAYERS:
         assert torch.equal(dst[n][[0, 2, 7]], src[n][[1, 4, 6]])
-    saver.close()
-    loader.close()
-    backend.close()
 
 
-def test_device_direct_failures_become_misses(master, npu_on_the_cpu):
-    src, dst, store = caches(1), caches(2), StandInStore()
-    backend = backend_for(master, store, value_bytes=value_bytes(src))
-    saver, loader = open_io(src, backend), open_io(dst, backend)
+def test_device_direct_failures_become_misses(pair):
+    src, dst, store, saver, loader = pair
     assert saver.save(refs([1, 2]), EVERY_LAYER, None, CopyHandoff()) == [Status.OK] * 2
     store.fail = {saver.keys(refs([1, 2]), EVERY_LAYER)[1]}
     untouched = dst["l0"][5].clone()
@@ -276,21 +281,14 @@ def test_device_direct_failures_become_misses(master, npu_on_the_cpu):
     assert torch.equal(dst["l0"][3], src["l0"][1]) and torch.equal(dst["l0"][5], untouched)
     store.fail = {saver.keys(refs([7], tag="n"), EVERY_LAYER)[0]}
     assert saver.save(refs([7], tag="n"), EVERY_LAYER, None, CopyHandoff()) == [Status.ERROR]
-    saver.close()
-    loader.close()
-    backend.close()
 
 
-def test_device_direct_refuses_a_value_under_another_header(master, npu_on_the_cpu):
-    src, store = caches(1), StandInStore()
-    backend = backend_for(master, store, value_bytes=value_bytes(src))
-    saver = open_io(src, backend)
+def test_device_direct_refuses_a_value_under_another_header(pair):
+    _, _, store, saver, loader = pair
     assert saver.save(refs([1]), EVERY_LAYER, None, CopyHandoff()) == [Status.OK]
     (key,) = saver.keys(refs([1]), EVERY_LAYER)
     store.values[key] = bytes(HEADER_BYTES) + store.values[key][HEADER_BYTES:]  # another writer's header
-    assert saver.load(refs([3]), EVERY_LAYER).settle() == [Status.FOREIGN]
-    saver.close()
-    backend.close()
+    assert loader.load(refs([3]), EVERY_LAYER).settle() == [Status.FOREIGN]
 
 
 def test_with_a_host_only_backend_an_accelerator_takes_the_staged_path(master, npu_on_the_cpu):
