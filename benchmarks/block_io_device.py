@@ -85,7 +85,7 @@ import torch
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.connector.block_io import (
-    BlockIO, BlockRef, CopyHandoff, HostCachePath, StagedPath, ValueLabels, open_block_io,
+    BlockIO, BlockRef, CopyHandoff, InPlacePath, StagedPath, ValueLabels, open_block_io,
 )
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.connector.staging import StagingBuffer
@@ -173,7 +173,7 @@ class Bench:
             direct = open_block_io(self.caches, self.names, self.num_blocks, backend, header(self.m.block_size),
                                    self.max_bytes, 30.0)
             device = Device(dev)
-            staged = HostCachePath if device.is_host else StagedPath  # the path without slots, forced
+            staged = InPlacePath if device.is_host else StagedPath  # the path without slots, forced
             io = staged(ValueLabels(header(self.m.block_size), self.layout), device, self.layout, backend,
                         StagingBuffer(device, self.max_bytes), StagingBuffer(device, self.max_bytes), 30.0)
             pool = backend.pool

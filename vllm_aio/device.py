@@ -47,10 +47,31 @@ logger = get_logger(__name__)
 LINK_COPY_MIN_ROWS = 16
 
 
+# The accelerator device each thread last made current through ``Device.bind_thread``.
+_thread_device = threading.local()
+
+
 class Device:
     def __init__(self, device: torch.device) -> None:
         self.torch_device = device
         self.is_host = device.type == "cpu"
+
+    def bind_thread(self) -> None:
+        """Make this device the calling thread's current device (once per thread; no-op on the CPU).
+
+        A thread starts on device 0: on CUDA, and on Ascend, whose runtime
+        keeps the current device per thread. A transfer thread of the worker
+        on device 1 would otherwise make its streams, events and copies on
+        device 0 (or, on an NPU, fail for want of that device's context).
+        Called wherever a thread of ours starts device work (``BlockIO``'s
+        loads and saves, the put thread). A device without an index names
+        none to bind to.
+        """
+        if self.is_host or self.torch_device.index is None:
+            return
+        if getattr(_thread_device, "device", None) != self.torch_device:
+            torch.accelerator.set_device_index(self.torch_device.index)
+            _thread_device.device = self.torch_device
 
     def new_stream(self) -> torch.Stream | None:
         return None if self.is_host else torch.Stream(device=self.torch_device)
@@ -242,6 +263,51 @@ class MappedHost:
         if self._finalizer is not None:
             self._finalizer()  # runs at most once
         self.tensor = None
+
+
+def set_process_npu() -> int | None:
+    """Give a process that has set no NPU one (the first visible), where it runs on an NPU host;
+    returns the NPU index now current, None where there is no NPU (torch_npu missing or no card).
+
+    For vLLM's scheduler process, which selects no device, before a library
+    that needs one starts: Mooncake's NPU build always starts its Ascend
+    transport, which asks Ascend's runtime for the current device
+    (``aclrtGetDevice``) and fails without one, whatever ``protocol`` says. A
+    process whose NPU is already initialized (a worker, also vLLM's scheduler
+    and its TP=1 worker in one process) keeps the device it chose.
+    """
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except ImportError:
+        return None
+    npu = torch.npu
+    if not npu.is_available() or npu.device_count() == 0:
+        return None
+    if npu.is_initialized():
+        return npu.current_device()
+    npu.set_device(0)
+    logger.info("vllm_aio: this process had no NPU selected: npu:0 (the first visible one) is now current")
+    return 0
+
+
+# Ascend storage formats (aclFormat) whose bytes lie where the tensor's strides say. torch_npu
+# reports the logical strides for any other (a private format such as FRACTAL_NZ, which
+# vllm-ascend gives KV caches on Ascend 310P), so only the format tells them apart.
+STRIDED_NPU_FORMATS = {0: "NCHW", 1: "NHWC", 2: "ND", 30: "NCDHW"}
+_PRIVATE_NPU_FORMATS = {3: "NC1HWC0", 4: "FRACTAL_Z", 29: "FRACTAL_NZ", 32: "NDC1HWC0", 33: "FRACTAL_Z_3D"}
+
+
+def npu_private_format(tensor: torch.Tensor) -> str | None:
+    """The storage format of an NPU tensor whose bytes do not follow its strides (e.g.
+    ``"FRACTAL_NZ (29)"``); None for any other tensor (CPU, CUDA, NPU in a strided format)."""
+    if tensor.device.type != "npu":
+        return None
+    import torch_npu  # loaded already: the tensor is on an NPU
+
+    code = int(torch_npu.get_npu_format(tensor))
+    if code in STRIDED_NPU_FORMATS:
+        return None
+    return f"{_PRIVATE_NPU_FORMATS.get(code, 'aclFormat')} ({code})"
 
 
 def host_tensor(address: int, nbytes: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """``BlockIO``'s three paths over the real embedded pool, on the CPU and, where present, an accelerator.
 
-Each case runs on every path the device has: on the CPU the host cache path
+Each case runs on every path the device has: on the CPU the in-place path
 (the backend copies into and out of the cache), the direct path (the pool's
 memory is its own mapping there) and the staged path (never picked for a
 host cache, forced here), so the logic of all three is checked without a
@@ -21,12 +21,13 @@ from devices import CUDA, marks
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.connector.block_io import (
-    BlockIO, BlockRef, CopyHandoff, DirectPath, HostCachePath, StagedPath, ValueLabels, open_block_io,
+    BlockIO, BlockRef, CopyHandoff, DirectPath, InPlacePath, StagedPath, ValueLabels, open_block_io,
 )
 from vllm_aio.connector.block_io.staging_save import Copied, StagingSave
 from vllm_aio.connector.block_layout import BlockLayout
 from vllm_aio.connector.mapped_slots import MappedSlots
 from vllm_aio.connector.staging import StagingBuffer
+from vllm_aio.connector.transfer import TransferThread
 from vllm_aio.device import Device
 from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader
 from vllm_aio.pool.keys import Unit
@@ -56,7 +57,7 @@ def make_io(
         slots = MappedSlots.open(backend.slots(), layout, dev)
         assert slots is not None
         return DirectPath(labels, dev, slots), caches, backend
-    kind = HostCachePath if dev.is_host and path != "staged" else StagedPath
+    kind = InPlacePath if dev.is_host and path != "staged" else StagedPath
     io = kind(labels, dev, layout, backend, StagingBuffer(dev, staging), StagingBuffer(dev, staging), 5.0)
     return io, caches, backend
 
@@ -170,7 +171,7 @@ def test_a_chunk_of_an_abandoned_save_gives_its_staging_back_only_after_its_copy
         return Copied(blocks, unit, piece, None, CopyInFlight(log))
 
     backend = LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, labels.value_bytes(EVERY_LAYER), seal=True)
-    save, got = StagingSave(backend, staging, 1.0, copy_out), []
+    save, got = StagingSave(backend, staging, 1.0, copy_out, Device(torch.device("cpu"))), []
     save.save(refs([1, 2]), EVERY_LAYER, labels, None, handoff, 0, got.append)
     save.drain()
     assert got == [[Status.ERROR] * 2]
@@ -194,6 +195,33 @@ def test_batch_larger_than_the_staging_buffer_moves_chunk_by_chunk(device_and_sh
     blocks = (lambda t, ids: t[ids] if len(shape) == 4 else t[:, ids])
     for n in LAYERS:
         assert torch.equal(blocks(dst[n], list(range(4, 12))), blocks(src[n], list(range(8))))
+
+
+class BindingDevice(Device):
+    """The CPU, recording the threads that bind themselves to it (``Device.bind_thread``)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.bound: list[str] = []
+
+    def bind_thread(self) -> None:
+        self.bound.append(threading.current_thread().name)
+
+
+def test_every_thread_that_moves_blocks_binds_itself_to_the_caches_device_first():
+    caches = {n: torch.randn(SHAPES["block_major"]).to(torch.bfloat16) for n in LAYERS}
+    layout, device = BlockLayout(caches, LAYERS, NUM_BLOCKS), BindingDevice()
+    labels = ValueLabels(EntryHeader("0123456789abcdef", "pp0.dcp0.h0", -1, 16, 0), layout)
+    backend = LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, labels.value_bytes(EVERY_LAYER), seal=True)
+    io = InPlacePath(labels, device, layout, backend, StagingBuffer(device, 1 << 20), StagingBuffer(device, 1 << 20), 5.0)
+    recv, send = TransferThread("vllm_aio-recv"), TransferThread("vllm_aio-send")
+    assert send.submit(io.save, refs([1]), EVERY_LAYER, None, CopyHandoff()).result() == [Status.OK]
+    assert recv.submit(lambda: io.load(refs([2]), EVERY_LAYER).settle()).result() == [Status.OK]
+    assert device.bound == ["vllm_aio-send", "vllm_aio-put", "vllm_aio-recv"]
+    for thread in (recv, send):
+        thread.close()
+    io.close()
+    backend.close()
 
 
 def test_save_without_staging_space_is_dropped_not_blocked():
@@ -409,7 +437,7 @@ def test_open_block_io_moves_values_through_the_pools_slots_where_the_device_map
 
 def test_open_block_io_without_slots_copies_into_a_host_cache_in_place():
     io = opened("cpu", WithoutSlots(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, 1 << 16, seal=True))
-    assert isinstance(io, HostCachePath) and not io.direct
+    assert isinstance(io, InPlacePath) and not io.direct
 
 
 @pytest.mark.parametrize("device", CUDA)

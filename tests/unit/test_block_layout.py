@@ -8,10 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import types
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from vllm_aio.connector import block_layout
 from vllm_aio.connector.block_layout import BlockLayout
+from vllm_aio.device import npu_private_format
 
 NUM_BLOCKS = 6
 
@@ -100,6 +105,34 @@ def test_layer_with_no_block_dimension_raises_naming_the_layer():
     t = torch.zeros(3, NUM_BLOCKS + 1, 16)
     with pytest.raises(ValueError, match=r"layer odd.*not supported"):
         BlockLayout({"odd": t}, ["odd"], NUM_BLOCKS)
+
+
+def test_a_cache_in_a_private_npu_format_is_refused_naming_the_format_and_what_is_supported(monkeypatch):
+    # vllm-ascend's 310P caches (FRACTAL_NZ): shape and strides read as ND, the bytes lie otherwise.
+    monkeypatch.setattr(block_layout, "npu_private_format", lambda t: "FRACTAL_NZ (29)")
+    with pytest.raises(ValueError, match=r"layer l0: .*FRACTAL_NZ \(29\) format.*strided formats only \(NCHW, NHWC, ND"):
+        BlockLayout({"l0": (block_major(), block_major())}, ["l0"], NUM_BLOCKS)
+
+
+class StandInTorchNpu(types.ModuleType):
+    """``torch_npu.get_npu_format``, answering one aclFormat for every tensor."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__("torch_npu")
+        self.get_npu_format = lambda tensor: code
+
+
+@pytest.mark.parametrize(("code", "expected"), [(29, "FRACTAL_NZ (29)"), (3, "NC1HWC0 (3)"), (77, "aclFormat (77)"),
+                                                (2, None), (0, None)])
+def test_npu_tensors_are_told_apart_by_their_storage_format(monkeypatch, code, expected):
+    monkeypatch.setitem(sys.modules, "torch_npu", StandInTorchNpu(code))
+    on_npu = SimpleNamespace(device=SimpleNamespace(type="npu"))  # no NPU here: what the check reads of one
+    assert npu_private_format(on_npu) == expected
+
+
+def test_tensors_off_the_npu_have_no_private_format(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", StandInTorchNpu(29))
+    assert npu_private_format(block_major()) is None
 
 
 def test_memory_spans_of_block_major_layer_cover_the_tensor():

@@ -5,6 +5,9 @@ from __future__ import annotations
 import ctypes
 import gc
 import mmap
+import sys
+import threading
+import types
 
 import numpy as np
 import pytest
@@ -98,10 +101,10 @@ def test_registered_memory_is_page_locked_without_the_caching_allocator():
 
 @pytest.mark.npu
 def test_npu_host_memory_is_pinned():
-    device = Device(torch.device("npu"))
+    device = Device(torch.device("npu", 0))
     memory = device.host_memory(4096)
     assert memory.tensor.nbytes == 4096 and memory.tensor.is_pinned()
-    src = torch.arange(4096).to(torch.uint8).to("npu")
+    src = torch.arange(4096).to(torch.uint8).to("npu:0")
     memory.tensor.copy_(src, non_blocking=True)
     device.synchronize(device.record())
     assert torch.equal(memory.tensor, src.cpu())
@@ -115,7 +118,7 @@ def test_npu_kernels_read_and_write_mapped_host_memory_in_place():
 
     from vllm_aio.device import host_tensor
 
-    device = Device(torch.device("npu"))
+    device = Device(torch.device("npu", 0))  # a mapping is made for one card: named by its index
     region = mmap.mmap(-1, 1 << 20)  # page-aligned, as the pool's /dev/shm slots are
     view = ctypes.c_char.from_buffer(region)
     address = ctypes.addressof(view)
@@ -126,7 +129,7 @@ def test_npu_kernels_read_and_write_mapped_host_memory_in_place():
     rows = mapped.tensor.view(256, 4096)
     ids = device.indices([3, 200, 7])
     assert torch.equal(rows.index_select(0, ids).cpu(), host.view(256, 4096)[[3, 200, 7]])
-    rows.index_copy_(0, device.indices([9]), torch.full((1, 4096), 77, dtype=torch.uint8, device="npu"))
+    rows.index_copy_(0, device.indices([9]), torch.full((1, 4096), 77, dtype=torch.uint8, device="npu:0"))
     device.synchronize(device.record())
     assert bool((host.view(256, 4096)[9] == 77).all())
     mapped.release()
@@ -217,3 +220,82 @@ def test_row_swaps_move_rows_out_of_a_buffer_before_moving_rows_into_it(name, di
     finally:
         del done, following
         mapped.release()
+
+
+# A thread's current device (``Device.bind_thread``) and a process's NPU (``set_process_npu``).
+
+@pytest.fixture
+def device_indices(monkeypatch) -> list[tuple[str, int]]:
+    """(thread name, index) of every current device set through torch's accelerator API."""
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(torch.accelerator, "set_device_index",
+                        lambda index: calls.append((threading.current_thread().name, index)))
+    return calls
+
+
+def test_binding_a_thread_sets_its_device_once_per_thread(device_indices):
+    device = Device(torch.device("cuda", 1))  # a worker's card other than 0: no GPU needed to name it
+    for name in ("vllm_aio-recv", "vllm_aio-send"):
+        thread = threading.Thread(target=lambda: [device.bind_thread() for _ in range(3)], name=name)
+        thread.start()
+        thread.join()
+    assert device_indices == [("vllm_aio-recv", 1), ("vllm_aio-send", 1)]
+
+
+def test_binding_a_thread_to_the_cpu_sets_nothing(device_indices):
+    Device(torch.device("cpu")).bind_thread()
+    assert device_indices == []
+
+
+class StandInNpu:
+    """``torch.npu`` as torch_npu registers it, recording ``set_device``."""
+
+    def __init__(self, cards: int, initialized: bool = False) -> None:
+        self.cards, self.initialized, self.selected = cards, initialized, []
+
+    def is_available(self) -> bool:
+        return self.cards > 0
+
+    def device_count(self) -> int:
+        return self.cards
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def current_device(self) -> int:
+        return 3
+
+    def set_device(self, index: int) -> None:
+        self.selected.append(index)
+
+
+@pytest.fixture
+def npu_host(monkeypatch):
+    """A host where torch_npu imports; the test sets what ``torch.npu`` answers."""
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+
+    def with_npu(npu: StandInNpu) -> StandInNpu:
+        monkeypatch.setattr(torch, "npu", npu, raising=False)
+        return npu
+
+    return with_npu
+
+
+def test_a_process_without_an_npu_selected_gets_the_first_visible_one(npu_host):
+    npu = npu_host(StandInNpu(cards=2))
+    assert device_module.set_process_npu() == 0 and npu.selected == [0]
+
+
+def test_a_process_whose_npu_is_initialized_keeps_its_device(npu_host):
+    npu = npu_host(StandInNpu(cards=8, initialized=True))
+    assert device_module.set_process_npu() == 3 and npu.selected == []
+
+
+def test_no_npu_visible_selects_nothing(npu_host):
+    npu = npu_host(StandInNpu(cards=0))
+    assert device_module.set_process_npu() is None and npu.selected == []
+
+
+def test_without_torch_npu_no_npu_is_selected(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import fails
+    assert device_module.set_process_npu() is None

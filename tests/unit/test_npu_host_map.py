@@ -10,13 +10,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import platform
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from vllm_aio import npu_host_map
-from vllm_aio.npu_host_map import ACL_HOST_REG_MAPPED, ACL_HOST_REGISTER_MAPPED, map_for_npu
+from vllm_aio.npu_host_map import ACL_HOST_REG_MAPPED, ACL_HOST_REGISTER_MAPPED, kernel_version, map_for_npu
 
 DEVICE_OFFSET = 1 << 40  # where the stand-in runtime "maps" host pages
 
@@ -76,8 +77,9 @@ class StandInTorchNpu:
 
 
 @pytest.fixture
-def pages():
+def pages(monkeypatch):
     npu_host_map._said.clear()  # each test sees its own log lines
+    monkeypatch.setattr(platform, "release", lambda: "6.6.0")  # a kernel that registers pages as they are
     region = mmap.mmap(-1, 4 * mmap.PAGESIZE)  # page-aligned, as the pool's /dev/shm mapping is
     view = ctypes.c_char.from_buffer(region)  # keeps the mapping alive while the test runs
     yield ctypes.addressof(view), len(region)
@@ -142,3 +144,69 @@ def test_memory_that_is_not_page_aligned_is_not_registered(pages):
     acl = StandInAcl()
     assert map_for_npu(address + 64, nbytes - 64, DEVICE, StandInTorchNpu(npurt=False), acl) is None
     assert acl.calls == []
+
+
+class StandInLibc:
+    """mlock / munlock as ctypes calls them; ``refuse``: mlock fails as over RLIMIT_MEMLOCK."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.calls: list[tuple] = []
+        self.refuse = refuse
+
+    def mlock(self, ptr, size) -> int:
+        self.calls.append(("mlock", ptr.value, size.value))
+        return -1 if self.refuse else 0
+
+    def munlock(self, ptr, size) -> int:
+        self.calls.append(("munlock", ptr.value, size.value))
+        return 0
+
+
+OLD_KERNEL = "5.10.0-60.18.0.50.oe2203.aarch64"  # openEuler 22.03's, common on Ascend hosts
+
+
+def test_kernel_versions_are_read_from_their_release_strings():
+    assert kernel_version(OLD_KERNEL) == (5, 10)
+    assert kernel_version("6.18.44-fc-v1252") == (6, 18)
+    assert kernel_version("unknown") is None
+
+
+def test_on_an_old_kernel_the_pages_are_locked_before_registration_and_unlocked_after(pages, caplog):
+    address, nbytes = pages
+    torch_npu, acl, libc = StandInTorchNpu(npurt=False), StandInAcl(), StandInLibc()
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        mapped = map_for_npu(address, nbytes, DEVICE, torch_npu, acl, libc, kernel=OLD_KERNEL)
+    assert mapped is not None
+    assert libc.calls == [("mlock", address, nbytes)] and acl.calls[0][0] == "aclrtHostRegister"
+    assert any(OLD_KERNEL in r.getMessage() and "mlock" in r.getMessage() for r in caplog.records)
+    mapped.release()
+    assert acl.calls[-1][0] == "aclrtHostUnregister" and libc.calls[-1] == ("munlock", address, nbytes)
+
+
+def test_on_an_old_kernel_a_refused_lock_means_staging_in_one_line_and_no_registration(pages, caplog):
+    address, nbytes = pages
+    acl = StandInAcl()
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        for _ in range(2):
+            assert map_for_npu(address, nbytes, DEVICE, StandInTorchNpu(npurt=False), acl,
+                               StandInLibc(refuse=True), kernel=OLD_KERNEL) is None
+    assert acl.calls == []
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert record.levelno == logging.WARNING and OLD_KERNEL in message and "page-locked staging" in message
+
+
+def test_on_a_newer_kernel_nothing_is_locked(pages):
+    address, nbytes = pages
+    libc = StandInLibc()
+    mapped = map_for_npu(address, nbytes, DEVICE, StandInTorchNpu(npurt=False), StandInAcl(), libc, kernel="5.15.0")
+    assert mapped is not None and libc.calls == []
+    mapped.release()
+
+
+def test_a_refused_registration_on_an_old_kernel_unlocks_the_pages(pages):
+    address, nbytes = pages
+    libc = StandInLibc()
+    assert map_for_npu(address, nbytes, DEVICE, StandInTorchNpu(npurt=False), StandInAcl(refuse=True), libc,
+                       kernel=OLD_KERNEL) is None
+    assert libc.calls == [("mlock", address, nbytes), ("munlock", address, nbytes)]

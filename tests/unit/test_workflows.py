@@ -7,6 +7,7 @@ Ascend runners are declared in ``.github/actionlint.yaml``.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -80,6 +81,17 @@ def test_npu_container_has_a_larger_shm():
     # Docker's 64 MiB /dev/shm cannot hold the embedded pool, which maps /dev/shm.
     options = npu_job()["container"]["options"].split()
     assert any(option.startswith("--shm-size=") for option in options)
+
+
+def test_npu_job_checks_dev_shm_before_anything_else():
+    # Kubernetes-based runners ignore container.options: the size is checked at run time, against
+    # what the npu tests' pools take (NPU_SHM_BYTES), and a small /dev/shm fails the job saying so.
+    first = npu_job()["steps"][0]["run"]
+    assert "/dev/shm" in first and "exit 1" in first and "::error::" in first
+    module = ast.parse((ROOT / "tests" / "e2e" / "test_e2e_npu.py").read_text(encoding="utf-8"))
+    (needed,) = [node.value for node in module.body
+                 if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["NPU_SHM_BYTES"]]
+    assert int(npu_job()["container"]["env"]["NPU_SHM_MIB"]) << 20 >= eval(compile(ast.Expression(needed), "", "eval"))
 
 
 def test_npu_test_step_is_make_test_npu():

@@ -32,12 +32,18 @@ What this module adds over the raw client, each learned the hard way:
 - No call reaches the store after ``close`` (the client segfaults then).
 - Segments point to host memory (``base.py``); the transfer engine moves
   registered memory without a copy, so the backend wants it registered.
+  Device-direct (UNVERIFIED on an NPU): with Mooncake's NPU build and
+  ``protocol: ascend``, segments may also point to this process's NPU memory
+  registered as such (``segment_memory``), moved by the Ascend transport as
+  vllm-ascend moves its KV cache; the worker then registers its KV cache.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.metadata
+import importlib.util
 import os
 import threading
 import time
@@ -116,6 +122,28 @@ def _env_default(name: str, value: str) -> Iterator[None]:
         os.environ.pop(name, None)
 
 
+NPU_DISTRIBUTION = "mooncake-transfer-engine-npu"  # Mooncake's wheel built with its Ascend transport
+
+
+def ascend_transport_built() -> bool:
+    """Whether the installed ``mooncake`` package is Mooncake's NPU build (which has the Ascend transport)."""
+    return NPU_DISTRIBUTION in importlib.metadata.packages_distributions().get("mooncake", [])
+
+
+def _select_npu() -> None:
+    """Have an NPU current in this process before the client starts, where torch_npu exists.
+
+    Mooncake's NPU build starts its Ascend transport in ``setup`` whatever the
+    protocol (tcp too), and that transport asks for the current NPU, which
+    vLLM's scheduler process never selects (``device.set_process_npu``).
+    Elsewhere nothing is imported: the scheduler half stays without torch.
+    """
+    if importlib.util.find_spec("torch_npu") is not None:
+        from vllm_aio.device import set_process_npu
+
+        set_process_npu()
+
+
 def put_status(code: int) -> Status:
     """The status of one key after a put returned ``code``."""
     if code >= 0:
@@ -156,7 +184,10 @@ class MooncakeBackend(Backend):
         connect_timeout: float = 3.0,
         rpc_retry_budget: float = 0.3,
         store_factory: Callable[[], Any] | None = None,
+        ascend_transport: bool | None = None,
     ) -> None:
+        """``ascend_transport``: whether the installed Mooncake build has the Ascend transport
+        (None: asked of the installed wheel, ``ascend_transport_built``)."""
         self.settings = settings
         self._value_bytes = value_bytes  # of every value; None: any (see base.distinct_only)
         self._retry_budget = rpc_retry_budget
@@ -170,6 +201,11 @@ class MooncakeBackend(Backend):
         # TTL, mooncake_master --default_kv_soft_pin_ttl, 30 min by default).
         self._unpinned, self._pinned = _replicate_configs()
         self._multi = hasattr(self._store, "batch_put_from_multi_buffers")
+        # Device memory moves only over the Ascend transport, and only through the batch calls
+        # that take addresses as they are: this backend's own staging (``_Staging``) is a host
+        # memcpy, never chosen here (``_path`` stages only over tcp or without multi-buffer calls).
+        built = ascend_transport_built() if ascend_transport is None else ascend_transport
+        self._device_direct = settings.protocol == "ascend" and self._multi and built
         # Mean segment size below which batches are staged (tcp only: RDMA
         # scatter-gather does not pay per segment the way tcp slices do).
         self._stage_below = STAGE_BELOW if settings.protocol == "tcp" else 0
@@ -183,6 +219,7 @@ class MooncakeBackend(Backend):
                 f"Mooncake master at {s.master_server_address} is unreachable "
                 f"(no TCP connection within {connect_timeout:.1f} s); start it or fix master_server_address"
             )
+        _select_npu()
         store = store_factory()
         # Like vLLM, name the tenant only when there is one.
         tenant = {} if s.tenant_id == DEFAULT_TENANT_ID else {"tenant_id": s.tenant_id}
@@ -221,6 +258,11 @@ class MooncakeBackend(Backend):
 
     def wants_registration(self) -> bool:
         return True
+
+    def segment_memory(self) -> frozenset[Memory]:
+        """Host memory; also this process's NPU memory where the store moves it directly (device-direct):
+        Mooncake's NPU build, ``protocol: ascend`` and the multi-buffer batch calls. UNVERIFIED on an NPU."""
+        return frozenset(Memory) if self._device_direct else frozenset({Memory.HOST})
 
     def shared_store(self) -> str:
         s = self.settings

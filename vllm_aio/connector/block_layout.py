@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from vllm_aio.backends import Segment
-from vllm_aio.device import Device
+from vllm_aio.device import STRIDED_NPU_FORMATS, Device, npu_private_format
 from vllm_aio.host_copy import copy_rows
 
 
@@ -200,6 +200,12 @@ def _identity(cache: LayerCache) -> list[tuple]:
 
 
 def _planes(name: str, t: torch.Tensor, num_blocks: int) -> list[_Plane]:
+    if (private := npu_private_format(t)) is not None:
+        raise ValueError(
+            f"layer {name}: KV cache in the NPU's {private} format (vllm-ascend allocates it so on Ascend 310P), "
+            f"whose bytes do not follow its strides; AioConnector moves blocks by their strides and supports "
+            f"strided formats only ({', '.join(STRIDED_NPU_FORMATS.values())}): docs/ascend_layouts.md"
+        )
     elem = t.element_size()
     rows = t.shape[0] // num_blocks if t.dim() and t.shape[0] % num_blocks == 0 else 0  # tensor rows per block
     if t.shape[0] == num_blocks and t[0].is_contiguous():

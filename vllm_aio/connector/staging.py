@@ -43,8 +43,11 @@ class Slice:
 
 
 class StagingBuffer:
-    def __init__(self, device: Device, nbytes: int) -> None:
-        self.buffer = device.host_buffer(nbytes)
+    """``on_device``: the buffer is device memory instead (a backend that moves device memory
+    itself reads and writes it there: ``block_io/in_place.py``)."""
+
+    def __init__(self, device: Device, nbytes: int, on_device: bool = False) -> None:
+        self.buffer = device.empty(nbytes) if on_device else device.host_buffer(nbytes)
         self.capacity = nbytes
         self._device = device
         self._live: deque[Slice] = deque()  # oldest first; guarded by _cond

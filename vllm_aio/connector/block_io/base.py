@@ -134,8 +134,9 @@ class BlockIO(ABC):
         """Pool -> KV cache: a status per block and the copies' event (``Loaded``).
 
         Each key is read from the pool once and its value copied to every
-        block naming it.
+        block naming it. Runs on the calling thread, bound to the cache's device first.
         """
+        self.device.bind_thread()
         batch = blocks if isinstance(blocks, DistinctBlocks) else DistinctBlocks(blocks)
         return self._load(batch, unit, self._labels)
 
@@ -152,8 +153,9 @@ class BlockIO(ABC):
         Blocks sharing a key with an earlier block of the batch hold the same
         KV (same chained hash): only the first is put; the others report
         ``EXISTS`` once it is stored (concurrent puts of one key can leave
-        Mooncake with a key and no value).
+        Mooncake with a key and no value). Bound to the cache's device first, as ``load``.
         """
+        self.device.bind_thread()
         batch = DistinctBlocks(blocks)
         self._save(batch.firsts, unit, self._labels, computed, handoff, retention,
                    lambda statuses: done(batch.spread(statuses, repeat=lambda s: Status.EXISTS if s.stored else s)))
@@ -184,4 +186,9 @@ class BlockIO(ABC):
 
 def chunks(n: int, value_bytes: int, scale: int = 1) -> list[tuple[int, int]]:
     """Even [start, end) row ranges of at most about ``scale`` x _CHUNK_BYTES each."""
-    return even_ranges(n, scale * _CHUNK_BYTES // value_bytes)
+    return even_ranges(n, chunk_rows(value_bytes, scale))
+
+
+def chunk_rows(value_bytes: int, scale: int = 1) -> int:
+    """The most values of ``value_bytes`` one chunk holds."""
+    return max(1, scale * _CHUNK_BYTES // value_bytes)

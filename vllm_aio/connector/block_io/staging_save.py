@@ -1,4 +1,4 @@
-"""A save through a staging buffer, shared by the host cache path and the staged path.
+"""A save through a staging buffer, shared by the in-place path and the staged path.
 
 The blocks are copied out of the cache into staging chunk by chunk (how is
 the path's ``CopyOut``) on the calling thread, the worker's sending thread;
@@ -52,8 +52,10 @@ CopyOut = Callable[[Sequence[BlockRef], Unit, "torch.Event | None", Slice], Copi
 
 
 class StagingSave:
-    def __init__(self, backend: Backend, staging: StagingBuffer, timeout: float, copy_out: CopyOut) -> None:
+    def __init__(self, backend: Backend, staging: StagingBuffer, timeout: float, copy_out: CopyOut,
+                 device: Device) -> None:
         self._backend = backend
+        self._device = device  # the put thread waits on its events and, device-direct, puts from its memory
         self._staging = staging
         self._timeout = timeout
         self._copy_out = copy_out
@@ -103,6 +105,7 @@ class StagingSave:
         n = len(chunk.blocks)
         statuses = [Status.ERROR] * n
         try:
+            self._device.bind_thread()
             # Even a chunk never put: its rows (and its device source) are given back only
             # once the copy into them is over, or the next slice there could be overwritten.
             Device.synchronize(chunk.in_staging)
@@ -124,13 +127,13 @@ class StagingSave:
 
 
 class SavesThroughStaging(BlockIO):
-    """A path whose saves go through staging (``StagingSave``): the host cache path and the staged path,
+    """A path whose saves go through staging (``StagingSave``): the in-place path and the staged path,
     each with its own ``_copy_out``."""
 
     def __init__(self, labels: ValueLabels, device: Device, backend: Backend, save_staging: StagingBuffer,
                  timeout: float) -> None:
         super().__init__(labels, device)
-        self._saves = StagingSave(backend, save_staging, timeout, self._copy_out)
+        self._saves = StagingSave(backend, save_staging, timeout, self._copy_out, device)
 
     @abstractmethod
     def _copy_out(self, blocks: Sequence[BlockRef], unit: Unit, computed: torch.Event | None, piece: Slice) -> Copied:
