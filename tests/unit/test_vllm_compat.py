@@ -18,9 +18,9 @@ from vllm_aio.config import ConfigError
 
 def test_a_setting_a_newer_vllm_needs_is_refused_naming_both():
     require("vllm")
-    with pytest.raises(ConfigError, match=r"dynamic_buffer_layers needs vLLM 0\.32 or later \(one tensor\); this is vLLM \S+"):
-        vllm_compat.require(False, "dynamic_buffer_layers", "one tensor")
-    vllm_compat.require(True, "dynamic_buffer_layers", "one tensor")
+    with pytest.raises(ConfigError, match=r"dynamic_buffer_count needs vLLM 0\.32 or later \(one tensor\); this is vLLM \S+"):
+        vllm_compat.require(False, "dynamic_buffer_count", "one tensor")
+    vllm_compat.require(True, "dynamic_buffer_count", "one tensor")
 
 
 def test_fields_older_vllm_lacks_take_the_values_it_implied():
