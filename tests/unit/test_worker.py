@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 import uuid
 from array import array
 
@@ -183,6 +184,34 @@ def test_stats_count_bytes_and_skip_known_blocks(make_worker):
     assert data["load_bytes"] == 2 * VALUE_BYTES
     assert (data["hit_tokens"], data["miss_tokens"]) == (16, 4)
     assert worker.take_stats() is None
+
+
+class _HourLongPuts(LocalBackend):
+    """Values through batch_put (the staging path), each put an hour on the test's clock."""
+
+    def __init__(self, *args, clock: list[float], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.clock = clock
+
+    def slots(self):
+        return None
+
+    def batch_put(self, keys, segments, retention=0):
+        self.clock[0] += 3600.0
+        return super().batch_put(keys, segments, retention)
+
+
+def test_save_seconds_time_the_copy_out_of_the_cache_not_what_follows_it(make_worker, monkeypatch):
+    """The pool puts (and, on the direct path, the publishing) run beside the next step's forward:
+    timed with them, a save's rate said nothing about the save."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    backend = _HourLongPuts(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, VALUE_BYTES, seal=True, clock=clock)
+    worker, _ = make_worker(backend=backend)
+    saved(worker, AioConnectorMetadata(saves=[transfer([1, 2])]))
+    data = worker.take_stats().data
+    assert (data["save_blocks"], data["save_bytes"]) == (2, 2 * VALUE_BYTES)
+    assert data["save_seconds"] < 3600.0
 
 
 class _GaugedPool(LocalBackend):
