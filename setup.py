@@ -39,7 +39,7 @@ setup(
     entry_points={
         "console_scripts": ["vllm-aio = vllm_aio.cli:main"],
         "vllm.general_plugins": [
-            # Lets dynamic_buffer_layers re-plan vLLM's KV cache (a no-op otherwise).
+            # Lets transfer_mode dynamic_buffer re-plan vLLM's KV cache (a no-op otherwise).
             "vllm_aio_buffer_plan = vllm_aio.buffer.plan:register",
             # "kv_connector": "AioConnector" without kv_connector_module_path.
             "vllm_aio_connector = vllm_aio.registration:register",

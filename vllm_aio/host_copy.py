@@ -4,18 +4,18 @@
 gather/scatter of equal rows between two strided regions (pool slots <-> a KV
 cache plane). Each runs in loops compiled by numba (``nogil``: the threads
 really copy at once) that call libc's ``memcpy`` per copy. One
-``ctypes.memmove`` per copy from Python cost ~1 us each, a third of the time
-of a 16 KiB copy; in the compiled loop 16 KiB copies reach 0.94-0.98x of one
-memcpy of the same bytes. A loop copying through ``numba.carray`` slices
-reached only 0.23x: it does not use libc's vectorised copy. Merging copies
-adjacent on both sides gains nothing there (within noise), so none is merged.
+``ctypes.memmove`` per copy from Python costs a sizeable part of a small
+copy's time; in the compiled loop small copies come close to one memcpy of
+the same bytes. A loop copying through ``numba.carray`` slices is far slower:
+it does not use libc's vectorised copy. Merging copies adjacent on both sides
+gained nothing measurable, so none is merged (figures: docs/benchmarks.md,
+"Figures behind the code's choices").
 
 The loops are compiled on their first call and cached on disk next to this
 file (``__pycache__``), or in the user's cache directory (``~/.cache/numba``)
 where that is read-only; with neither writable, each process compiles them.
-Measured on a 2-core VM: importing numba ~0.15 s; the first copy in a
-process ~0.33 s compiling, ~0.15 s from the cache (numba sets up its
-compiler either way); later calls ~4 us each.
+The first copy in a process pays for numba's compiler setup even from the
+cache; later calls cost microseconds.
 
 The threads belong to one process-wide pool, created on first use and shared
 by every caller (so none is leaked per instance); a forked child starts a
@@ -42,16 +42,15 @@ from numba.extending import intrinsic
 # More threads than this stop paying off: a few cores already saturate a
 # socket's memory bandwidth, and with TP > 1 every worker process copies at once.
 MAX_COPY_THREADS = 8
-# Waking a copy thread and waiting for it cost ~70 us on a 2-core VM, so a
-# thread is given at least this much (~170 us of copying). Measured there on
-# scattered 16 KiB copies out of cache, 2 threads against 1: batches of 1 MiB
-# 0.79x, 2 MiB 0.84x, 4 MiB 1.03x, 8-256 MiB 1.12-1.29x.
+# Waking a copy thread and waiting for it costs tens of microseconds, so a
+# thread is given at least this much: on scattered copies, two threads made
+# batches of less than twice this slower than one, and larger ones faster.
 MIN_BYTES_PER_THREAD = 2 << 20
 # The threads take pieces of a batch in turn, so a thread whose core is busy
-# elsewhere leaves its share to the others. 2 threads against 1 on the 2-core
-# VM, 8-256 MiB batches: pieces of 1 MiB 1.12-1.29x, 4 MiB 1.14-1.28x, 256 KiB
-# 1.05-1.20x (GIL round trips). A multiple of 64: where the copies are cache-line
-# aligned (pool slots, KV blocks), no line is written by two threads.
+# elsewhere leaves its share to the others. Much smaller pieces lose to the GIL
+# round trips between them, larger ones gained nothing. A multiple of 64: where
+# the copies are cache-line aligned (pool slots, KV blocks), no line is written
+# by two threads.
 PIECE_BYTES = 1 << 20
 THREADS_ENV = "VLLM_AIO_COPY_THREADS"
 
@@ -65,10 +64,9 @@ def copy_threads() -> int:
         cores = len(os.sched_getaffinity(0))  # the cores we may use, not the machine's
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    # Every core, even on 2. On a 2-core VM, batches of 8-256 MiB: 2 threads
-    # 1.12-1.29x as fast as 1 with both cores idle, 0.92-0.96x with one busy
-    # with another process (the threads take pieces in turn, so the caller
-    # does what a late thread leaves).
+    # Every core, even on 2: two threads beat one on a 2-core host with both cores
+    # idle and lose little with one busy with another process (the threads take
+    # pieces in turn, so the caller does what a late thread leaves).
     return min(cores, MAX_COPY_THREADS)
 
 

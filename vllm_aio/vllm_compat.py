@@ -1,5 +1,5 @@
 """The vLLM internals that moved between the versions this package runs on: 0.23 (vllm-ascend
-v0.23) through 0.27.1 (vllm-ascend main) to 0.32.
+v0.23) through 0.27.1 (vllm-ascend main) and 0.32 to 0.33.
 
 Every seam detects the feature itself, never a version string, and the rest of the package asks
 here instead of reaching into vLLM where the versions differ. What only a newer vLLM can do
@@ -17,6 +17,10 @@ What differs, and what each side does:
 * ``KVCacheTensor.layers`` / ``layer_stride``: 0.32's one-tensor-for-many-layers plan, which the
   dynamic buffer's aliasing needs.
 * ``vllm.v1.metrics.cache_hit_source``: 0.32 labels prefix hits by source; older versions do not.
+* The KV cache planner ``get_kv_cache_configs``: in ``kv_cache_planning`` from 0.33, with the
+  model's KV cache groups as a fourth parameter; in ``kv_cache_utils`` before.
+* Sleep mode (0.33 asks ``supports_sleep_mode``): the connector answers False, so vLLM refuses
+  ``enable_sleep_mode`` at start (``AioConnector.supports_sleep_mode`` says why).
 * The dynamic buffer (``vllm_aio/buffer/``) reaches further: it patches vLLM's KV cache planner
   and the engine core's imported copy of it, writes an attribute onto the workers' plan, rewrites
   the block tables and slot mappings of the attention metadata in place, and launches a compiled
@@ -24,6 +28,11 @@ What differs, and what each side does:
   names what an upgrade took away; the buffer refuses to start then, naming it).
 * Hooks that run at other times there (``start_load_kv`` always before the forward, no
   ``wait_for_save`` on steps without one) need nothing: the worker is correct in either order.
+  0.33 adds two orders: ``update_state_after_alloc`` of an async load a step after its lookup
+  (async scheduling; the scheduler keeps the lookup's plan until then), and, in model runner V2
+  with a drafter, ``get_transfer_results`` and ``get_block_ids_with_load_errors`` before
+  ``wait_for_save`` (whole-block saves then no longer see the step's failed loads: a known gap,
+  ``tests/unit/test_worker.py``'s xfail).
 
 No torch here: the scheduler half imports this module (the buffer's seams import torch, vLLM and
 Triton only when called).
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -133,8 +143,12 @@ def kv_cache_block_copies(scheduler_output: Any) -> list[Any]:
 
 
 # ---- the dynamic buffer's reach into vLLM and Triton ---------------------------------------------
-_PLANNER_MODULE = "vllm.v1.core.kv_cache_utils"
-_PLANNER = "get_kv_cache_configs"  # (vllm_config, kv_cache_specs, available_memory) -> [KVCacheConfig]
+# The KV cache planner: in ``kv_cache_planning`` from 0.33 (with the model's KV cache groups as a fourth
+# parameter, made from the specs alone), in ``kv_cache_utils`` before; its scheduler view stayed there.
+_PLANNER_MODULES = ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils")
+_PLANNER = "get_kv_cache_configs"  # (vllm_config, kv_cache_specs, available_memory, ...) -> [KVCacheConfig]
+_PLANNER_PARAMS = ("vllm_config", "kv_cache_specs", "available_memory")  # what the buffer's plan reads first
+_SCHEDULER_VIEW_MODULE = "vllm.v1.core.kv_cache_utils"
 _SCHEDULER_VIEW = "generate_scheduler_kv_cache_config"  # ([KVCacheConfig]) -> KVCacheConfig
 _ENGINE_CORE = "vllm.v1.engine.core"  # imports both by name
 _TENSOR_FIELDS = {"size", "layers", "layer_stride", "block_stride", "offset"}
@@ -146,15 +160,41 @@ _PATCHED = "__wrapped_by_vllm_aio__"
 REMAPPABLE_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN")
 
 
+def _planner_module() -> Any:
+    """The module that defines this vLLM's KV cache planner; None where neither does."""
+    for name in _PLANNER_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # the module is there and something it imports is not
+                raise
+            continue
+        if callable(getattr(module, _PLANNER, None)):
+            return module
+    return None
+
+
+def _planner_missing() -> list[str]:
+    """What of the planner's place and leading parameters this vLLM lacks (none: it can be wrapped)."""
+    module = _planner_module()
+    if module is None:
+        return [" or ".join(f"{name}.{_PLANNER}" for name in _PLANNER_MODULES)]
+    params = tuple(inspect.signature(getattr(module, _PLANNER)).parameters)[:len(_PLANNER_PARAMS)]
+    if params != _PLANNER_PARAMS:
+        return [f"{module.__name__}.{_PLANNER}({', '.join(_PLANNER_PARAMS)}, ...) (it takes {', '.join(params)})"]
+    return []
+
+
 def buffer_internals_missing() -> list[str]:
     """The vLLM internals the dynamic buffer patches or reads that this vLLM lacks (none: it can run)."""
     try:
-        utils = importlib.import_module(_PLANNER_MODULE)
+        missing = _planner_missing()
+        utils = importlib.import_module(_SCHEDULER_VIEW_MODULE)
         from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
     except ImportError as exc:
         return [f"{exc.name} (import)"]
-    missing = [f"{_PLANNER_MODULE}.{name}" for name in (_PLANNER, _SCHEDULER_VIEW)
-               if not callable(getattr(utils, name, None))]
+    if not callable(getattr(utils, _SCHEDULER_VIEW, None)):
+        missing.append(f"{_SCHEDULER_VIEW_MODULE}.{_SCHEDULER_VIEW}")
     missing += [f"KVCacheTensor.{name}" for name in sorted(_TENSOR_FIELDS - _fields(KVCacheTensor))]
     missing += [f"KVCacheConfig.{name}" for name in sorted(_CONFIG_FIELDS - _fields(KVCacheConfig))]
     return missing
@@ -172,19 +212,22 @@ def require_buffer_internals(setting: str) -> None:
 
 def patch_kv_cache_planner(wrap_planner: Callable[[Callable], Callable],
                            wrap_scheduler_view: Callable[[Callable], Callable]) -> bool:
-    """Replace vLLM's KV cache planner and its scheduler view with ``wrap_*(original)``, in
-    ``kv_cache_utils`` and in the engine core's copies where it is imported already. Once per
-    process (vLLM may load plugins again); False, patching nothing, where an internal is missing
-    (the buffer refuses to start then, ``require_buffer_internals``)."""
+    """Replace vLLM's KV cache planner and its scheduler view with ``wrap_*(original)``, where vLLM
+    defines them and in the engine core's copies where it is imported already. ``wrap_planner``'s
+    result is called as vLLM calls the planner: the parameters of ``_PLANNER_PARAMS`` first, then
+    whatever else this vLLM passes (to hand on unchanged). Once per process (vLLM may load plugins
+    again); False, patching nothing, where an internal is missing (the buffer refuses to start then,
+    ``require_buffer_internals``)."""
     if buffer_internals_missing():
         return False
-    utils = importlib.import_module(_PLANNER_MODULE)
-    if getattr(getattr(utils, _PLANNER), _PATCHED, False):
+    targets = ((_planner_module(), _PLANNER, wrap_planner),
+               (importlib.import_module(_SCHEDULER_VIEW_MODULE), _SCHEDULER_VIEW, wrap_scheduler_view))
+    if getattr(getattr(targets[0][0], _PLANNER), _PATCHED, False):
         return True
-    for name, wrap in ((_PLANNER, wrap_planner), (_SCHEDULER_VIEW, wrap_scheduler_view)):
-        patched = wrap(getattr(utils, name))
+    for module, name, wrap in targets:
+        patched = wrap(getattr(module, name))
         setattr(patched, _PATCHED, True)
-        setattr(utils, name, patched)
+        setattr(module, name, patched)
         core = sys.modules.get(_ENGINE_CORE)
         if core is not None and hasattr(core, name):
             setattr(core, name, patched)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import dataclasses
+import sys
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -118,3 +120,49 @@ def test_other_connectors_leave_the_plan_alone():
     assert buffer_count(SimpleNamespace(kv_transfer_config=by_path)) == 2
     assert buffer_count(SimpleNamespace(kv_transfer_config=by_name)) == 2
     assert buffer_count(SimpleNamespace(kv_transfer_config=None)) == 0
+
+
+def _module(name: str, **functions) -> ModuleType:
+    module = ModuleType(name)
+    vars(module).update(functions)
+    return module
+
+
+def test_a_planner_in_kv_cache_planning_is_wrapped_and_handed_its_further_parameters(kv, monkeypatch):
+    """vLLM 0.33's layout: the planner in ``kv_cache_planning`` with the model's KV cache groups
+    as a fourth parameter, the scheduler view left in ``kv_cache_utils``, both imported by the engine core."""
+    from vllm_aio.buffer.plan import register
+
+    calls = []
+
+    def planner(vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups):
+        calls.append((available_memory, global_kv_cache_groups))
+        return [_config(kv, layers=4, num_blocks=40)]
+
+    def scheduler_view(kv_cache_configs):
+        return dataclasses.replace(kv_cache_configs[0])
+
+    planning = _module("vllm.v1.core.kv_cache_planning", get_kv_cache_configs=planner)
+    utils = _module("vllm.v1.core.kv_cache_utils", generate_scheduler_kv_cache_config=scheduler_view)
+    core = _module("vllm.v1.engine.core", get_kv_cache_configs=planner,
+                   generate_scheduler_kv_cache_config=scheduler_view)
+    for module in (planning, utils, core):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    register()
+    assert core.get_kv_cache_configs is planning.get_kv_cache_configs is not planner
+    assert core.generate_scheduler_kv_cache_config is utils.generate_scheduler_kv_cache_config
+
+    extra = {"transfer_mode": "dynamic_buffer", "dynamic_buffer_count": 2}
+    buffered = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector="AioConnector", kv_connector_module_path=None,
+                                           kv_connector_extra_config=extra),
+        compilation_config=SimpleNamespace(cudagraph_mode=None), speculative_config=None,
+        parallel_config=SimpleNamespace(enable_dbo=False),
+    )
+    specs = [{f"layer.{i}": None for i in range(4)}]
+    (config,) = core.get_kv_cache_configs(buffered, specs, [1000], "groups")
+    assert calls == [([2000], "groups")]  # 4 layers on 2 buffers: twice the memory, the groups as they came
+    assert [t.offset for t in config.kv_cache_tensors] == [0, 40 * 4096, 0, 40 * 4096]  # aliased
+    other = SimpleNamespace(kv_transfer_config=None)
+    core.get_kv_cache_configs(other, specs, [1000], "groups")
+    assert calls[-1] == ([1000], "groups")

@@ -206,6 +206,27 @@ def test_an_allocated_hit_is_leased_until_the_worker_reads_it():
     assert backend.leases == [(req.block_hashes[1:4], LEASE_MIN_SECONDS)]  # no pace measured yet
 
 
+def test_an_allocation_reported_a_step_after_its_lookup_loads_what_that_lookup_found():
+    """vLLM 0.33 with async scheduling reports an async load's allocation at its next schedule,
+    after a metadata build and other requests' lookups."""
+    backend, dep = DictBackend(), deployment(transfer_mode=TransferMode.ASYNC)
+    a, b = Req("a", 22), Req("b", 22)
+    store(backend, dep, a, 4)
+    store(backend, dep, b, 2)
+    sched = AioScheduler(dep, backend, clock=lambda: 0.0)
+    n, load_async = sched.get_num_new_matched_tokens(a, 4)  # vLLM holds block 0 itself
+    assert (n, load_async) == (12, True)
+    between = sched.build_connector_meta(step())
+    assert between.loads == [] and (between.lookups.hit_tokens, between.lookups.miss_tokens) == (0, 0)
+    assert sched.get_num_new_matched_tokens(b, 0) == (8, True)
+    sched.update_state_after_alloc(a, blocks([10, 11, 12, 13, 14, 15]), n)
+    assert backend.leases == [(a.block_hashes[1:4], LEASE_MIN_SECONDS)]  # leased once allocated
+    meta = sched.build_connector_meta(step())
+    (load,) = meta.loads
+    assert (load.req_id, list(load.block_ids), load.block_hashes) == ("a", [11, 12, 13], a.block_hashes[1:4])
+    assert (meta.lookups.hit_tokens, meta.lookups.miss_tokens) == (12, 6)
+
+
 def test_a_failed_lease_leaves_the_load_planned():
     class NoLease(DictBackend):
         def lease_blocks(self, parts, hashes, seconds):

@@ -1,4 +1,4 @@
-"""The seams over vLLM's internals that moved between 0.23, 0.27.1 and 0.32 (``vllm_aio/vllm_compat.py``).
+"""The seams over vLLM's internals that moved between 0.23, 0.27.1, 0.32 and 0.33 (``vllm_aio/vllm_compat.py``).
 
 Each fallback against a stand-in of the older structure; the feature probes against the vLLM this
 suite runs on (``make test`` runs the end-to-end tier on 0.32.0 and on 0.27.1).
@@ -18,9 +18,9 @@ from vllm_aio.config import ConfigError
 
 def test_a_setting_a_newer_vllm_needs_is_refused_naming_both():
     require("vllm")
-    with pytest.raises(ConfigError, match=r"dynamic_buffer_layers needs vLLM 0\.32 or later \(one tensor\); this is vLLM \S+"):
-        vllm_compat.require(False, "dynamic_buffer_layers", "one tensor")
-    vllm_compat.require(True, "dynamic_buffer_layers", "one tensor")
+    with pytest.raises(ConfigError, match=r"dynamic_buffer_count needs vLLM 0\.32 or later \(one tensor\); this is vLLM \S+"):
+        vllm_compat.require(False, "dynamic_buffer_count", "one tensor")
+    vllm_compat.require(True, "dynamic_buffer_count", "one tensor")
 
 
 def test_fields_older_vllm_lacks_take_the_values_it_implied():
@@ -57,9 +57,10 @@ def test_the_probes_agree_with_the_vllm_installed():
         assert (results.finished_recving, results.failed_recving) == ({"a"}, {"b"})
 
 
-# Run against vLLM 0.23.0's Python sources (make test unpacks them into .vllm023; its compiled
-# extension is built for a torch this machine cannot install, so no engine runs on it here).
-PROBE_023 = """
+# Run against an older or newer vLLM's Python sources (make test-unit unpacks them: 0.23.0's CPU wheel
+# into .vllm023, its compiled extension built for a torch this machine cannot install; 0.33.0's CUDA
+# wheel into .vllm033, as the index has no CPU build of it), so no engine runs on them here.
+PROBE = """
 import inspect, json
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -69,17 +70,21 @@ from vllm_aio.connector.connector import AioConnector
 def params(fn):
     return list(inspect.signature(fn).parameters)
 
-hooks = {name: (params(fn), params(getattr(KVConnectorBase_V1, name)))
-         for name, fn in vars(AioConnector).items()
-         if callable(fn) and not name.startswith("_") and hasattr(KVConnectorBase_V1, name)}
+hooks = {name: (params(getattr(AioConnector, name)), params(getattr(KVConnectorBase_V1, name)))
+         for name in vars(AioConnector)
+         if callable(getattr(AioConnector, name)) and not name.startswith("_") and hasattr(KVConnectorBase_V1, name)}
+sleep_mode = AioConnector.supports_sleep_mode(None) if hasattr(KVConnectorBase_V1, "supports_sleep_mode") else None
 print(json.dumps({"version": vllm.__version__, "hooks": hooks,
                   "failed_recving": vllm_compat.reports_failed_requests(),
                   "aliases_layers": vllm_compat.aliases_layers(),
-                  "cache_hit_source": vllm_compat.host_cache_hit_source() is not None}))
+                  "cache_hit_source": vllm_compat.host_cache_hit_source() is not None,
+                  "buffer_missing": vllm_compat.buffer_internals_missing(),
+                  "sleep_mode": sleep_mode}))
 """
 
 
-def test_the_connector_imports_on_vllm_0_23_and_its_hooks_take_that_versions_parameters():
+def probe(folder: str) -> dict:
+    """What ``PROBE`` finds with the vLLM sources unpacked in ``folder`` first on the path."""
     import json
     import os
     import subprocess
@@ -87,18 +92,34 @@ def test_the_connector_imports_on_vllm_0_23_and_its_hooks_take_that_versions_par
 
     from conftest import ROOT
 
-    sources = ROOT / ".vllm023"
+    sources = ROOT / folder
     if not (sources / ".unpacked").exists():
         if os.environ.get("CI"):
-            pytest.fail("CI requires vLLM 0.23.0's sources in .vllm023 (make test unpacks them)")
-        pytest.skip("vLLM 0.23.0's sources are not unpacked (make .vllm023/.unpacked)")
+            pytest.fail(f"CI requires the vLLM sources in {folder} (make test-unit unpacks them)")
+        pytest.skip(f"the vLLM sources of {folder} are not unpacked (make {folder}/.unpacked)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [sources / "src", sources / "deps", ROOT]))}
-    out = subprocess.run([sys.executable, "-c", PROBE_023], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    probe = json.loads(out.stdout.strip().splitlines()[-1])
-    assert probe["version"] == "0.23.0"
-    wrong = {name: sig for name, sig in probe["hooks"].items() if sig[0] != sig[1]}
-    assert not wrong, f"hooks whose parameters differ from vLLM 0.23's: {wrong}"
-    assert "get_finished" in probe["hooks"] and "register_kv_caches" in probe["hooks"]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    wrong = {name: sig for name, sig in found["hooks"].items() if sig[0] != sig[1]}
+    assert not wrong, f"hooks whose parameters differ from vLLM {found['version']}'s: {wrong}"
+    return found
+
+
+def test_the_connector_imports_on_vllm_0_23_and_its_hooks_take_that_versions_parameters():
+    found = probe(".vllm023")
+    assert found["version"] == "0.23.0"
+    assert "get_finished" in found["hooks"] and "register_kv_caches" in found["hooks"]
     # What 0.23 lacks, the seams say so (and the settings that need it refuse at start).
-    assert (probe["failed_recving"], probe["aliases_layers"], probe["cache_hit_source"]) == (False, False, False)
+    assert (found["failed_recving"], found["aliases_layers"], found["cache_hit_source"]) == (False, False, False)
+    assert "KVCacheTensor.layers" in found["buffer_missing"] and found["sleep_mode"] is None
+
+
+def test_the_connector_imports_on_vllm_0_33_and_its_hooks_take_that_versions_parameters():
+    found = probe(".vllm033")
+    assert found["version"] == "0.33.0"
+    assert {"get_transfer_results", "register_kv_caches", "supports_sleep_mode"} <= set(found["hooks"])
+    assert (found["failed_recving"], found["aliases_layers"], found["cache_hit_source"]) == (True, True, True)
+    # The planner moved to kv_cache_planning and took a fourth parameter: the buffer finds and wraps it.
+    assert found["buffer_missing"] == []
+    assert found["sleep_mode"] is False  # the connector refuses sleep mode (AioConnector.supports_sleep_mode)

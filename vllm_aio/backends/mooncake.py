@@ -7,8 +7,8 @@ between those segments and our registered KV memory without a staging copy:
 ``batch_put_from_multi_buffers`` gathers a block's per-layer pieces straight
 from the cache and ``batch_get_into_multi_buffers`` scatters them back. Over
 tcp each piece costs a transfer slice of its own, so pieces smaller than 32 KiB
-on average are gathered into one registered staging buffer instead (2.5x faster
-for 8 KiB pieces, measured by benchmarks/mooncake_backend.py).
+on average are gathered into one registered staging buffer instead (faster for
+small pieces, measured by benchmarks/mooncake_backend.py: docs/benchmarks.md).
 
 What this module adds over the raw client, each learned the hard way:
 

@@ -1,6 +1,7 @@
 """Re-plans vLLM's KV cache for ``transfer_mode: dynamic_buffer``: L layers on S buffers.
 
-vLLM sizes its KV cache in ``get_kv_cache_configs`` (v1/core/kv_cache_utils.py):
+vLLM sizes its KV cache in ``get_kv_cache_configs`` (v1/core/kv_cache_planning.py
+from vLLM 0.33, v1/core/kv_cache_utils.py before: ``vllm_compat`` finds it):
 blocks = memory / (page x L). With the dynamic buffer only S layer buffers
 live on the device, so the plan is made for L/S times the memory (L/S times
 the blocks) and then every layer is placed on buffer ``l % S``: one
@@ -43,11 +44,13 @@ def register() -> None:
 
 
 def _planner(original: Callable) -> Callable:
-    def plan(vllm_config, kv_cache_specs, available_memory):
+    # ``more``: what else this vLLM's planner takes (0.33: the model's KV cache groups, made from the
+    # specs alone, not the memory), handed on unchanged.
+    def plan(vllm_config, kv_cache_specs, available_memory, *more):
         cfg = _aio_config(vllm_config)
         buffers = _count(cfg)
         if not buffers:
-            return original(vllm_config, kv_cache_specs, available_memory)
+            return original(vllm_config, kv_cache_specs, available_memory, *more)
         refuse_unsupported(vllm_config)
         num_layers = max(len(specs) for specs in kv_cache_specs)
         if buffers >= num_layers:
@@ -56,7 +59,7 @@ def _planner(original: Callable) -> Callable:
                 f"use 2..{num_layers - 1}"
             )
         scaled = [memory * num_layers // buffers for memory in available_memory]
-        configs = [alias_layers(c, buffers) for c in original(vllm_config, kv_cache_specs, scaled)]
+        configs = [alias_layers(c, buffers) for c in original(vllm_config, kv_cache_specs, scaled, *more)]
         private = private_blocks(num_layers, buffers, cfg.dynamic_buffer_resident_blocks)
         for config in configs:
             reserve_private(config, private)

@@ -220,6 +220,23 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> AioPromMetrics:
         return AioPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No. vLLM 0.33 asks at start, only with ``enable_sleep_mode``, and refuses to start then.
+
+        The workers build on the KV cache once, at registration: the direct path's copy plans and
+        kernel address tables, the dynamic buffer's device buffers and the blocks it keeps resident
+        there. vLLM's cumem backend keeps the addresses across sleep but drops the KV cache's
+        contents, and other sleep backends (RFC #34303) need keep neither. Supporting sleep means
+        rebuilding all of that in ``restore_kv_caches``, which no test here could run (no device).
+        """
+        logger.warning(
+            "vllm_aio: AioConnector does not support vLLM's sleep mode: its workers build copy plans, kernel "
+            "address tables and the dynamic buffer's resident blocks on the KV cache once, at registration, "
+            "and nothing rebuilds them after sleep; start without enable_sleep_mode"
+        )
+        return False
+
 
 def _topology(dep) -> "Topology":
     from vllm.distributed import parallel_state as ps

@@ -113,16 +113,17 @@ class Saves:
             kept = [i for i, req_id in enumerate(batch.req_ids) if req_id not in wrong]
             if not kept:
                 handoff.copied()  # nothing to copy out of the cache
-                self._saved(batch, unit, started, kept, [])
+                self._saved(batch, unit, handoff.copied_at - started, kept, [])
                 return
             self._io.begin_save([batch.blocks[i] for i in kept], unit, computed, handoff, batch.retention,
-                                lambda got: self._saved(batch, unit, started, kept, got))
+                                lambda got: self._saved(batch, unit, handoff.copied_at - started, kept, got))
         except Exception as exc:
             self._log_failure(Status.ERROR, str(exc))
-            self._saved(batch, unit, started, range(len(batch.blocks)), [])  # every block failed
+            self._saved(batch, unit, time.perf_counter() - started, range(len(batch.blocks)), [])  # every block failed
 
-    def _saved(self, batch: Batch, unit: Unit, started: float, kept: Sequence[int], got: list[Status]) -> None:
-        """The statuses of the kept blocks are in: counted, logged, settled."""
+    def _saved(self, batch: Batch, unit: Unit, copy_seconds: float, kept: Sequence[int], got: list[Status]) -> None:
+        """The statuses of the kept blocks are in: counted, logged, settled. ``copy_seconds``: from the
+        save's start until its blocks were out of the cache (``CopyHandoff.copied_at``)."""
         statuses = [Status.ERROR] * len(batch.blocks)  # a block not kept was computed wrongly: not stored
         for i, status in zip(kept, got):
             statuses[i] = status
@@ -139,7 +140,7 @@ class Saves:
         self._add_stats(
             save_blocks=counts[Status.OK] if last else 0,
             save_bytes=counts[Status.OK] * self._io.value_bytes(unit),
-            save_seconds=time.perf_counter() - started,
+            save_seconds=copy_seconds,
             save_already_stored=counts[Status.EXISTS] if last else 0,
             save_failures=counts[Status.NO_SPACE] + counts[Status.ERROR],
             save_dropped=counts[Status.DROPPED],

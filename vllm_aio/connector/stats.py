@@ -38,7 +38,7 @@ COUNTERS = (
     "load_failures",
     "save_blocks",
     "save_bytes",
-    "save_seconds",
+    "save_seconds",  # each save's copy out of the KV cache (saves.py), not the pool puts after it
     "save_already_stored",  # blocks not saved because the pool held them already
     "save_failures",
     "save_dropped",  # blocks never offered to the pool: the puts of earlier saves held the staging

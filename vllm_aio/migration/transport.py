@@ -9,27 +9,27 @@ no metadata server (``P2PHANDSHAKE``: a peer is named ``host:rpc_port``). Each
 process registers its pool's slot data once (``SharedHostPool.region()``);
 ``PeerLink.write`` moves lists of ``(local, remote, length)`` spans.
 
-Measured with mooncake-transfer-engine-non-cuda 0.3.13.post1, loopback tcp,
-2-core host (``benchmarks/transport.py`` has the figures):
+What TransferEngine does, with mooncake-transfer-engine-non-cuda 0.3.13.post1
+over tcp (``benchmarks/transport.py`` measures it; the figures are in
+docs/benchmarks.md, "Figures behind the code's choices"):
 
-* A batch costs ~0.5-1 ms plus ~30-45 us per descriptor, so spans are
+* A batch costs a fixed setup plus a cost per descriptor, so spans are
   coalesced first: a span whose local and remote addresses both continue the
   previous one joins it (the pool hands out a batch's slots back to back where
-  it can, so whole runs become one descriptor). Descriptors of 512 KiB and
-  more run at 1.7-2.5 GB/s, scattered 64 KiB ones at ~1.1 GB/s, scattered
-  8 KiB ones at ~0.25 GB/s (memcpy: ~12 GB/s).
+  it can, so whole runs become one descriptor). Large descriptors run many
+  times faster than scattered small ones, and all well below memcpy.
 * The tcp transport queues about 2,048 requests per peer. A batch of 2,100
   fails (rc -1, "TCP lane queue-full rejection") and leaves the link to that
   peer broken for the life of the engine: every later write to it fails, after
   ~1 s each. Batches therefore hold at most ``MAX_BATCH_DESCRIPTORS`` (half
   that queue), and batches to one peer never overlap (see "Threads").
-* A batch's duration is bounded too (``MAX_BATCH_BYTES``, ~30 ms at 2 GB/s).
+* A batch's duration is bounded too (``MAX_BATCH_BYTES``, tens of milliseconds).
   The deadline is checked before each batch, so no batch starts after it; one
   started just before it ends about a batch's duration later.
 * A write into memory the peer has not registered, to an unknown session or
-  to a peer that exited fails fast (under 1 ms; a second write to a dead peer
-  waits ~1 s for the transport's reconnect round; a span straddling the end
-  of the peer's region ~2 s). A peer that stops answering (SIGSTOP, lost
+  to a peer that exited fails fast (a second write to a dead peer waits for
+  the transport's reconnect round, a span straddling the end of the peer's
+  region a little longer). A peer that stops answering (SIGSTOP, lost
   network) holds the write until TransferEngine's transfer timeout: ``MC_TRANSFER_TIMEOUT``
   seconds (at least 5; we use 5 unless the user set it, Mooncake's default is
   30) plus one second per GiB of the batch.
@@ -69,7 +69,7 @@ from vllm_aio.backends.mooncake_settings import route_address
 # the link to that peer for the life of the engine. 1,024 ran as fast as 2,048.
 MAX_BATCH_DESCRIPTORS = 1024
 # How long one batch may run, in bytes: the deadline is checked between batches.
-# 64 MiB reached the largest batches' bandwidth (~2 GB/s on loopback tcp).
+# Batches of this size already reached the largest batches' bandwidth.
 MAX_BATCH_BYTES = 64 << 20
 # Seconds a batch to a stalled peer may block (TransferEngine's floor; its default is 30).
 TRANSFER_TIMEOUT_S = 5
@@ -113,7 +113,7 @@ def late_write_bound() -> float:
 
     A batch that failed (a stalled peer) can land when the peer resumes, up
     to the transfer timeout after it started; one more second covers a
-    batch's own duration (64 MiB at ~2 GB/s).
+    batch's own duration (``MAX_BATCH_BYTES`` over tcp).
     """
     try:
         timeout = float(os.environ.get(_ENV_TRANSFER_TIMEOUT, TRANSFER_TIMEOUT_S))

@@ -12,6 +12,7 @@ host-device copy of the previous one.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -65,6 +66,9 @@ class CopyHandoff:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._abandoned = False
+        # ``time.perf_counter()`` when the copy ended: what the save's own time is measured to, since what
+        # follows (publishing, puts) runs beside the next step's forward and would be timed with it.
+        self.copied_at: float | None = None
 
     def held(self) -> bool:
         """Called by the save after copying part of the blocks: False if abandoned."""
@@ -74,6 +78,7 @@ class CopyHandoff:
     def copied(self) -> bool:
         """Called by the save after its copy: False if it was abandoned meanwhile."""
         with self._lock:
+            self.copied_at = time.perf_counter()
             self._done.set()
             return not self._abandoned
 
