@@ -1,6 +1,6 @@
 """Real vLLM engines serving timed token-id requests, one at a time, on command: the runner and its handle.
 
-``benchmarks/ttft.py`` and ``benchmarks/mooncake_ttft.py`` start each engine as
+``benchmarks/ttft.py``, ``mooncake_ttft.py`` and ``gpu_ttft.py`` start each engine as
 a process of its own (``EngineProc``), so every engine is fresh (as a
 restarted server would be), and keep several alive at once so that they can
 interleave their requests (only one of them computes at any moment). Each
@@ -11,13 +11,15 @@ token.
 
 spec: {"model", "max_model_len", "enable_prefix_caching", "kv_transfer_config",
        "max_num_batched_tokens", "tensor_parallel_size", "distributed_executor_backend",
-       "warmup": [ids]}
+       "warmup": [ids]}, and where given vLLM's "load_format", "dtype", "max_num_seqs",
+       "gpu_memory_utilization", "kv_cache_memory_bytes"
 stdin: one JSON command per line: {"label": str, "prompt": [ids]} (or [[ids], ...]: prompts sent
-       together) or {"exit": true}
+       together; "reset_prefix_cache": true empties vLLM's prefix cache first, untimed) or
+       {"exit": true}
 RESULT_FD: one JSON line per event: {"ready": true, "init_s", "warmup": step}
            after start and the warm-up request, then one step per command:
-           {"label", "prompt_len", "cached", "wall_s", "ttft_s", "engine_s"},
-           and on exit {"exit": true, "aio": {counter: value}}.
+           {"label", "prompt_len", "cached", "wall_s", "ttft_s", "engine_s"} (and "reset": whether
+           vLLM emptied its prefix cache, when asked), and on exit {"exit": true, "aio": {counter: value}}.
 
 ``wall_s`` is the wall time of ``llm.generate``; ``ttft_s`` vLLM's own
 first-token latency (request arrival to first token, ``RequestOutput.metrics``,
@@ -51,6 +53,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MIN_HIT = 0.8  # warm requests must have at least this share of their prompt cached
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# vLLM's arguments a spec may add (passed on where set)
+ENGINE_OPTIONS = ("load_format", "dtype", "max_num_seqs", "gpu_memory_utilization", "kv_cache_memory_bytes")
 
 
 # ---------------------------------------------------------------- the runner (in the engine's process)
@@ -77,6 +81,7 @@ def serve(spec_path: str, result_fd: int) -> None:
         kv_transfer_config=spec.get("kv_transfer_config"),
         disable_log_stats=False,  # RequestOutput.metrics carries the first-token latency
         seed=0,
+        **{k: spec[k] for k in ENGINE_OPTIONS if k in spec},
     )
     init_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=1, temperature=0)
@@ -105,7 +110,9 @@ def serve(spec_path: str, result_fd: int) -> None:
         cmd = json.loads(line)
         if cmd.get("exit"):
             break
-        results.write(json.dumps(step(cmd["label"], cmd["prompt"])) + "\n")
+        # Before the step: its latency is the request's alone. False when vLLM refused (blocks in use).
+        reset = {"reset": llm.reset_prefix_cache()} if cmd.get("reset_prefix_cache") else {}
+        results.write(json.dumps({**step(cmd["label"], cmd["prompt"]), **reset}) + "\n")
     step("flush", spec["warmup"][:8])  # the step that reports the last request's failed loads
     prefix = "vllm:aio_"
     counters = {m.name[len(prefix):]: m.value for m in llm.get_metrics() if m.name.startswith(prefix)}
@@ -196,9 +203,11 @@ class EngineProc:
             self.ready["start_s"] = time.perf_counter() - self.started
         return self.ready
 
-    def request(self, label: str, prompt: list[int], timeout: float) -> dict:
+    def request(self, label: str, prompt: list[int] | list[list[int]], timeout: float,
+                reset_prefix_cache: bool = False) -> dict:
+        cmd = {"label": label, "prompt": prompt, "reset_prefix_cache": reset_prefix_cache}
         try:
-            self.proc.stdin.write(json.dumps({"label": label, "prompt": prompt}) + "\n")
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             self.fail("stdin closed")

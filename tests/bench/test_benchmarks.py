@@ -1,7 +1,7 @@
 """Every benchmark's ``--quick`` run, in a subprocess: it exits 0, prints its table and writes its results.
 
 Benchmarks measure, tests do not: this only keeps the scripts from rotting
-(an API they call changed, a size they compute went stale). The two scripts
+(an API they call changed, a size they compute went stale). The three scripts
 that run real vLLM engines (and ``migration``, two ``vllm serve``) take a minute or more, mostly starting them:
 they start side by side when the first test runs and their tests wait for
 them (their engines' OpenMP threads unpinned, as the engine tests run theirs), while the
@@ -43,12 +43,13 @@ SCRIPTS = {
     "transport": (("mooncake",), "value"),
     "ttft": (("vllm",), "model"),
     "mooncake_ttft": (("vllm", "mooncake"), "model"),
+    "gpu_ttft": (("vllm",), "prefix tokens"),  # on the CPU build: two engines (OffloadingConnector skipped)
     "migration": (("vllm", "mooncake"), "model"),
     "priority": (("vllm",), "system"),  # one engine at a time: run beside the others
     "soak": (("vllm",), "soak"),  # one server at a time, as priority
     "serve": (("vllm",), "config"),  # two servers one after the other, each with vLLM's client: alone, last
 }
-ENGINE_SCRIPTS = ("ttft", "mooncake_ttft", "migration")
+ENGINE_SCRIPTS = ("ttft", "mooncake_ttft", "gpu_ttft", "migration")
 # Started together when the first of them is tested: after the engine scripts' tests (SCRIPTS' order).
 LATE_SCRIPTS = ("priority", "soak")
 # One torch thread beside the engines: threads spinning at OpenMP barriers on busy cores made a

@@ -5,6 +5,8 @@ vLLM can serve, but no model hub is reachable at run time. We train a byte-level
 BPE tokenizer on synthetic text in-process and save a Llama (or, for
 multi-head latent attention, a DeepSeek-V2; for hybrid attention, sliding-window
 and full-attention layers of Llama, Cohere2 or GPT-OSS) with random weights.
+A ``ConfigOnlySpec`` writes the config and the tokenizer only: vLLM serves it
+with ``load_format="dummy"``, making random weights in place.
 
 Random weights at the default init give degenerate greedy output (one token
 repeated), which would make "cached == uncached" checks meaningless, so the
@@ -77,6 +79,14 @@ class HybridModelSpec(ModelSpec):
     sliding_window: int = 64
 
 
+@dataclass(frozen=True)
+class ConfigOnlySpec(ModelSpec):
+    """A Llama written as config.json and a tokenizer, no weights: for vLLM's ``load_format="dummy"``,
+    so a model of billions of parameters costs neither build time nor disk."""
+
+    weights: bool = False  # in the folder's stamp, so a folder built with weights is not taken for this one
+
+
 PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(),
     # One KV head: under TP every rank holds the same KV (stored once).
@@ -102,6 +112,16 @@ PRESETS: dict[str, ModelSpec] = {
         intermediate_size=4096,
         vocab_size=8192,
         init_std=0.03,
+    ),
+    # Llama-3-8B's shape (bf16, 128 KiB of KV per token) for the GPU benchmarks; 128k positions as Llama 3.1.
+    "llama3_8b": ConfigOnlySpec(
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_positions=131072,
     ),
 }
 
@@ -132,7 +152,8 @@ def build_tokenizer(out: Path, vocab_size: int, seed: int) -> None:
         special_tokens=["<s>", "</s>", "<unk>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(synthetic_corpus(4000, seed), trainer=trainer)
+    # 4,000 lines fill vocabularies up to ~60k tokens; larger ones need more distinct pairs.
+    tok.train_from_iterator(synthetic_corpus(max(4000, vocab_size // 8), seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
@@ -142,6 +163,11 @@ def build_tokenizer(out: Path, vocab_size: int, seed: int) -> None:
 
 
 def build_model(out: Path, spec: ModelSpec) -> None:
+    if isinstance(spec, ConfigOnlySpec):
+        from transformers import LlamaConfig
+
+        LlamaConfig(**_common_config(spec)).save_pretrained(out)
+        return
     import torch
 
     torch.manual_seed(spec.seed)
