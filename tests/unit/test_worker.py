@@ -508,11 +508,8 @@ def test_a_hybrid_requests_failed_load_is_reported_per_request_not_per_block():
 
 
 # Whole-block saves ask for the step's loads in wait_for_save, after get_block_ids_with_load_errors
-# took them (LoadReport.take_errors): the fix keeps a step's reported failures until its next begin_step.
-BEFORE_SAVE_BUG = pytest.mark.xfail(strict=True, reason="LoadReport forgets reported failures before wait_for_save")
-
-
-@pytest.mark.parametrize("mode", [pytest.param("whole_blocks", marks=BEFORE_SAVE_BUG), "layerwise"])
+# took them (LoadReport.take_errors): a step's reported failures are kept until its next begin_step.
+@pytest.mark.parametrize("mode", ["whole_blocks", "layerwise"])
 def test_results_taken_before_wait_for_save_still_keep_a_failed_loads_readers_from_saving(make_worker, mode):
     """vLLM 0.33's model runner V2 with a drafter takes the step's transfer results and load errors
     after the forward and calls ``wait_for_save`` only once the drafter ran."""

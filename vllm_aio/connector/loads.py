@@ -84,7 +84,14 @@ class LoadReport:
         self._add_stats = add_stats
         self._failed: dict[str, Counter[str]] = {}
         self._errors: set[int] = set()
+        # Failed blocks of this step already reported to vLLM: the step's saves still ask for them
+        # (vLLM 0.33's model runner V2 with a drafter takes load errors before wait_for_save).
+        self._reported: set[int] = set()
         self._unsettled: list[tuple[Batch, Unit, Loaded]] = []
+
+    def begin_step(self) -> None:
+        """A new step: failures reported in earlier steps concern none of its saves."""
+        self._reported = set()
 
     def finish(self, batch: Batch, unit: Unit, loaded: Loaded, started: float) -> None:
         """The load's copies are enqueued (the caller's stream waits on them); settled at ``take_errors``."""
@@ -97,7 +104,7 @@ class LoadReport:
 
     def step_loads(self) -> StepLoads:
         """The loads of the step so far (settled at the step's end, ``take_errors``)."""
-        return StepLoads(frozenset(self._errors), tuple((batch.blocks, loaded) for batch, _, loaded in self._unsettled))
+        return StepLoads(frozenset(self._errors | self._reported), tuple((batch.blocks, loaded) for batch, _, loaded in self._unsettled))
 
     def pool_failed(self, exc: Exception, batch: Batch) -> Loaded:
         logger.warning("vllm_aio: pool load failed: %s", exc)
@@ -128,6 +135,7 @@ class LoadReport:
             )
         if self._errors:  # a step that loaded nothing takes no lock
             self._add_stats(load_failures=len(self._errors))
+        self._reported |= self._errors
         taken = self._errors, self._failed
         self._errors, self._failed = set(), {}
         return taken

@@ -124,6 +124,7 @@ class AioWorker:
             logger.info("vllm_aio: key namespace %s -> %s (weight version changed)",
                         self._io.namespace_digest, meta.namespace_digest)
             self._io.rename(meta.namespace_digest)
+        self._report.begin_step()
         self._loads.begin_step(meta)
         self._buffer.begin_step(meta, forward_context)
 
