@@ -387,6 +387,16 @@ def print_tables(rows: list[dict], floors: list[dict], title: str) -> None:
                                  "tokens (prefix-cache's warm TTFT)")
 
 
+def print_first_requests(engines: list[dict]) -> None:
+    """Each engine's first request after start (its warm-up prompt, a short cold one): what set-up left
+    for a request (compiling kernels, mapping the pool) shows here, against vLLM alone's."""
+    first = {e["engine"]: e["warmup"]["ttft_s"] * 1e3 for e in engines if e.get("warmup")}
+    alone = first.get("recompute")
+    print_markdown(["system", "first request ms", "/ vLLM alone (recompute)"],
+                   [[name, f"{ms:.1f}", f"{ms / alone:.2f}" if alone else "-"] for name, ms in first.items()],
+                   left=1, title="The first request after start (a 64-token cold prompt)")
+
+
 def problems_of(rows: list[dict], errors: dict[str, str], engines: list[dict]) -> list[str]:
     problems = [err.splitlines()[0] for err in errors.values()]  # "engine NAME failed: why"
     problems += [f"{r['prefix_tokens']} {r['system']} {what}: {r[key]}" for r in rows
@@ -478,6 +488,7 @@ def main() -> int:
                                f"{args.suffix_tokens} tokens: medians of {args.repeats} rounds; warm / "
                                "baseline's warm; x floor: warm / link floor; req/s: a batch of "
                                f"{args.batch} warm requests")
+    print_first_requests(bench.engines.info)
     problems = problems_of(rows, bench.errors, bench.engines.info)
     write_results(args.json, "gpu_ttft", started, versions={**info, "torch": link["torch"], "cuda": link["cuda"]},
                   device=link["device"], link=link["copies"],
