@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_aio.config import transfer_mode_of
 from conftest import Engine, aio_config, assert_output_varies, assert_same_generation, make_prompts
 
 BLOCK = 16  # FlashAttention's block size, and the 16n+1 prompts of the FULL-graph case
@@ -293,7 +294,8 @@ def test_the_dynamic_buffer_refuses_to_start_on_a_vllm_without_its_internals_and
 
 def _reference(mode: str) -> str:
     """The engine of the same graphs: per-layer modes run piecewise (``vllm_aio/graph_mode.py``)."""
-    return "reference-piecewise" if MODES[mode].get("transfer_mode") in ("layerwise", "dynamic_buffer") else "reference"
+    per_layer = transfer_mode_of(MODES[mode]).runs_per_layer
+    return "reference-piecewise" if per_layer else "reference"
 
 
 @pytest.mark.parametrize("mode", ["whole_blocks", "layerwise"])
