@@ -28,7 +28,6 @@ from vllm_aio.connector.metadata import AioConnectorMetadata
 from vllm_aio.connector.scheduler import AioScheduler
 from vllm_aio.connector.stats import AioConnectorStats, AioPromMetrics
 from vllm_aio.connector.vllm_events import SavedPartsEvents, to_vllm
-from vllm_aio.connector.worker import AioWorker
 from vllm_aio.log import get_logger
 from vllm_aio.pool.ownership import Ownership
 
@@ -46,6 +45,7 @@ if TYPE_CHECKING:
     from vllm_aio.config import AioConfig
     from vllm_aio.connector.block_layout import LayerCache
     from vllm_aio.connector.deployment import Deployment
+    from vllm_aio.connector.worker import AioWorker
     from vllm_aio.pool.ownership import Topology
 
 logger = get_logger(__name__)
@@ -94,6 +94,12 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
                     vllm_config.cache_config.prefix_caching_hash_algo, transfer.kv_role, transfer.engine_id,
                 )
         else:
+            # Imported only here: the worker half loads numba (llvmlite), and vLLM 0.32's CPU worker start
+            # scans every loaded module for Triton kernels, failing on llvmlite's function wrappers. In one
+            # process (TP=1 with the engine core in-process) it starts before the connector: a module level
+            # import made from vLLM's config check would have loaded them first.
+            from vllm_aio.connector.worker import AioWorker
+
             self._amx = _amx_for_cpu_attention()
             self._worker = AioWorker(dep, backend, Ownership(_topology(dep)), cfg, kv_events=kv_events)
 
