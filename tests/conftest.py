@@ -46,6 +46,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # the same tokens and logprobs, pinned or not.
 THREADS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(os.cpu_count())}
 
+# Eager engines (every CPU engine and server of the suite) compile nothing of the model; torch.compile
+# is left only on vLLM's sampler, whose rank count of logprobs (``batched_count_greater_than``, an integer
+# count: the same numbers either way) inductor compiled on each process's first request: 4.7 s of it,
+# ten compiler probes in child processes even with a warm cache. Off, that first request took 0.07 s.
+EAGER = {"TORCHDYNAMO_DISABLE": "1"}
+
 
 # Seconds each slow file took in CI (two at a time on two cores; fixtures included), to hand the
 # files out longest first (make test: -n 2 --dist loadfile). xdist's own order (most tests first)
@@ -146,62 +152,157 @@ def tiny_model() -> Path:
 
 
 @dataclass
+class Round:
+    """What one round of a live engine generated, and what it added to the engine's figures."""
+
+    results: list[dict]
+    counters: dict[str, float]  # the connector's counters (``vllm:aio_<name>_total``) this round added
+    preemptions: int
+    recomputed_after_preemption: int  # tokens vLLM recomputed when it resumed preempted requests
+    log: str  # what the engine logged from the round's order until its results
+
+
+class LiveEngine:
+    """One real vLLM engine in a process of its own, generating round after round as a test asks.
+
+    Tests that need an engine of the same configuration take rounds from one (a module fixture),
+    each round's counters and log its own, in place of an engine each: an engine's start is most
+    of a short test's time. Between rounds the engine idles; the test may change what it reads
+    (a fault file, the pool) or start other engines.
+    """
+
+    def __init__(self, proc: subprocess.Popen, directory: Path, result_path: Path, log_path: Path) -> None:
+        self.proc, self.directory, self.result_path, self.log_path = proc, directory, result_path, log_path
+        self.rounds = 0
+        self._totals: dict = {"aio": {}, "preemptions": 0, "recomputed_after_preemption": 0}
+        self._log_offset = 0
+        self.workers: list[dict] = []
+
+    def round(self, prompts: list[list[int]], *, priorities: list[int] | None = None,
+              reset_prefix_cache: bool = False, timeout: float = 300) -> Round:
+        order = {"prompts": prompts, "priorities": priorities, "reset_prefix_cache": reset_prefix_cache}
+        out = self.directory / f"round-{self.rounds}.out.json"
+        _write_json(self.directory / f"round-{self.rounds}.json", order)
+        self.rounds += 1
+        self._wait(out.exists, timeout, f"round {self.rounds - 1}")
+        reply = json.loads(out.read_text())
+        previous, self._totals = self._totals, {key: reply[key] for key in self._totals}
+        return Round(reply["results"],
+                     {name: value - previous["aio"].get(name, 0) for name, value in reply["aio"].items()},
+                     reply["preemptions"] - previous["preemptions"],
+                     reply["recomputed_after_preemption"] - previous["recomputed_after_preemption"],
+                     self._new_log())
+
+    @property
+    def log(self) -> str:
+        """Everything the engine logged so far."""
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def totals(self) -> dict:
+        """The connector's counters since start (``aio``), and vLLM's preemption figures."""
+        return self._totals
+
+    def close(self, timeout: float = 120) -> None:
+        """Stop the engine: it must exit cleanly (its pool and threads shut down)."""
+        if self.proc.poll() is None:
+            (self.directory / "stop").touch()
+            try:
+                self._wait(lambda: False, timeout, "shutdown")
+            finally:
+                self.kill()
+        assert self.proc.returncode == 0, f"engine failed ({self.log_path}):\n{self.log[-4000:]}"
+        self.workers = json.loads(self.result_path.read_text())["workers"]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def _wait(self, done: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if self.proc.poll() is not None:
+                if what == "shutdown":
+                    return
+                raise AssertionError(f"engine failed ({self.log_path}):\n{self.log[-4000:]}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"engine {what} timed out ({self.log_path})")
+            time.sleep(0.02)
+
+    def _new_log(self) -> str:
+        with open(self.log_path, errors="replace") as log:
+            log.seek(self._log_offset)
+            text = log.read()
+            self._log_offset = log.tell()
+        return text
+
+
+def _write_json(path: Path, value: dict) -> None:
+    """Whole or not at all: the engine polls for the name."""
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(value))
+    temporary.rename(path)
+
+
+@dataclass
 class Engine:
-    """Runs real vLLM engines, each in a process of its own."""
+    """Starts real vLLM engines, each in a process of its own."""
 
     model: Path
     workdir: Path
 
-    def run(self, rounds: list[list[list[int]]], kv_transfer_config: dict | None = None,
-            env: dict[str, str] | None = None, timeout: float = 300,
-            between_rounds: Callable[[int], None] | None = None, **spec) -> list[list[dict]]:
-        """Generate each round's prompts in one engine; ``between_rounds(i)``
-        runs in the test, with the engine idle, before round ``i`` (i >= 1)."""
+    def start(self, kv_transfer_config: dict | None = None, env: dict[str, str] | None = None,
+              **spec) -> LiveEngine:
+        """An engine of this configuration, idle until its first round."""
         name = uuid.uuid4().hex[:8]
+        directory = self.workdir / f"{name}.rounds"
+        directory.mkdir()
         spec_path, result_path = self.workdir / f"{name}.json", self.workdir / f"{name}.out.json"
         log_path = self.workdir / f"{name}.log"
-        handshake = self.workdir / f"{name}.handshake"
-        handshake.mkdir()
         spec_path.write_text(json.dumps(
-            {"model": str(self.model), "rounds": rounds, "kv_transfer_config": kv_transfer_config,
-             "handshake_dir": str(handshake) if between_rounds else None, **spec}
+            {"model": str(self.model), "kv_transfer_config": kv_transfer_config, "rounds_dir": str(directory), **spec}
         ))
         # vLLM picks its OpenMP thread count differently with and without a
         # connector; a different count changes float rounding, so fix it (THREADS). The
-        # engine core runs in the runner's process (its worker still in one of
-        # its own): a process fewer to start, 4-13 s of a 25-38 s run here.
+        # engine core runs in the runner's process, and at TP=1 its worker too: a
+        # process fewer to start, 4-13 s of a 25-38 s run here.
         full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0", **THREADS,
+                    **(EAGER if spec.get("enforce_eager", True) else {}),
                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": os.pathsep.join([str(ROOT), str(RUNNER.parent), *filter(None, [os.environ.get("PYTHONPATH")])]),
                     **(env or {})}
         with open(log_path, "w") as log:
             proc = subprocess.Popen([sys.executable, str(RUNNER), str(spec_path), str(result_path)],
                                     env=full_env, stdout=log, stderr=subprocess.STDOUT)
-            try:
-                _drive(proc, handshake, between_rounds, len(rounds), time.monotonic() + timeout)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        self.last_log = log_path.read_text()
-        assert proc.returncode == 0, f"engine failed ({log_path}):\n{self.last_log[-4000:]}"
-        result = json.loads(result_path.read_text())
-        self.last_preemptions = result["preemptions"]
-        self.last_recomputed_after_preemption = result["recomputed_after_preemption"]
-        self.last_counters = result["aio"]
-        self.last_workers = result["workers"]  # per worker process: pid, amx_tiles, attention (kernel names)
-        return result["rounds"]
+        return LiveEngine(proc, directory, result_path, log_path)
 
-
-def _drive(proc: subprocess.Popen, handshake: Path, between_rounds, num_rounds: int, deadline: float) -> None:
-    next_round = 1
-    while proc.poll() is None:
-        if time.monotonic() > deadline:
-            raise TimeoutError("engine run timed out")
-        if between_rounds and next_round < num_rounds and (handshake / f"before-{next_round}").exists():
-            between_rounds(next_round)
-            (handshake / f"go-{next_round}").touch()
-            next_round += 1
-        time.sleep(0.05)
+    def run(self, rounds: list[list[list[int]]], kv_transfer_config: dict | None = None,
+            env: dict[str, str] | None = None, timeout: float = 300,
+            between_rounds: Callable[[int], None] | None = None, priorities: list[list[int]] | None = None,
+            reset_prefix_cache_between_rounds: bool = False, **spec) -> list[list[dict]]:
+        """Generate each round's prompts in one engine, then stop it; ``between_rounds(i)`` runs in
+        the test, with the engine idle, before round ``i`` (i >= 1)."""
+        live = self.start(kv_transfer_config, env, **spec)
+        deadline = time.monotonic() + timeout
+        try:
+            results = []
+            for i, prompts in enumerate(rounds):
+                if i and between_rounds:
+                    between_rounds(i)
+                results.append(live.round(prompts, priorities=priorities[i] if priorities else None,
+                                          reset_prefix_cache=bool(i) and reset_prefix_cache_between_rounds,
+                                          timeout=max(1.0, deadline - time.monotonic())).results)
+            live.close(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            live.kill()
+            self.last_log = live.log
+        totals = live.totals
+        self.last_preemptions = totals["preemptions"]
+        self.last_recomputed_after_preemption = totals["recomputed_after_preemption"]
+        self.last_counters = totals["aio"]
+        self.last_workers = live.workers  # per worker process: pid, amx_tiles, attention (kernel names)
+        return results
 
 
 @pytest.fixture

@@ -1,14 +1,18 @@
-"""Run one real vLLM engine over token-id prompts and write what it generated.
+"""Run one real vLLM engine over token-id prompts, round after round, as a test asks.
 
 Tests start this as a separate process per engine: every engine gets a fresh
 process (as in production), its own environment, and a pool that must be
-cleaned up when it exits. Input and output are JSON files.
+cleaned up when it exits. The test hands it rounds through files in a
+directory (``conftest.LiveEngine``): ``round-N.json`` holds a round's prompts
+and options, ``round-N.out.json`` what the engine generated and its counters
+so far; ``stop`` ends the run, whose facts go to the result file.
 
     python engine_runner.py spec.json result.json
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -58,17 +62,36 @@ def run(spec: dict) -> dict:
     llm.llm_engine.logger_manager.stat_loggers.append(resumed)
     # The top two logprobs: their gap tells a near tie (conftest.assert_same_generation).
     params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0, logprobs=2)
-    rounds = []
-    for i, prompts in enumerate(spec["rounds"]):
-        if i and spec.get("handshake_dir"):
-            _handshake(Path(spec["handshake_dir"]), i)
-        if i and spec.get("reset_prefix_cache_between_rounds"):  # a round's hits then come from the connector
+    directory = Path(spec["rounds_dir"])
+    for index in itertools.count():
+        order = _next_order(directory, index)
+        if order is None:
+            break
+        if order.get("reset_prefix_cache"):  # the round's hits then come from the connector
             assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
-        priority = spec["priorities"][i] if spec.get("priorities") else None
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, priority=priority)
-        rounds.append([_result(o, dtype) for o in outputs])
-    return {"rounds": rounds, "preemptions": _counter(llm, "vllm:num_preemptions"), "aio": _aio_counters(llm),
-            "recomputed_after_preemption": resumed.recomputed, "workers": llm.collective_rpc(_worker_facts)}
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in order["prompts"]], params,
+                               priority=order.get("priorities"))
+        _write(directory / f"round-{index}.out.json",
+               {"results": [_result(o, dtype) for o in outputs], "aio": _aio_counters(llm),
+                "preemptions": _counter(llm, "vllm:num_preemptions"), "recomputed_after_preemption": resumed.recomputed})
+    return {"workers": llm.collective_rpc(_worker_facts)}
+
+
+def _next_order(directory: Path, index: int) -> dict | None:
+    """Round ``index``'s order once the test has written it; None once it said stop."""
+    path = directory / f"round-{index}.json"
+    while not path.exists():
+        if (directory / "stop").exists():
+            return None
+        time.sleep(0.02)
+    return json.loads(path.read_text())
+
+
+def _write(path: Path, value: dict) -> None:
+    """Whole or not at all: the reader polls for the name."""
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(value))
+    temporary.rename(path)
 
 
 def _worker_facts(worker) -> dict:
@@ -117,16 +140,12 @@ def _counter(llm, name: str) -> int:
 
 
 def _aio_counters(llm) -> dict[str, float]:
-    """The connector's own counters (``vllm:aio_<name>_total``), by name."""
+    """The connector's own counters (``vllm:aio_<name>_total``), by name: totals since start."""
+    from vllm.v1.metrics.reader import Counter
+
     prefix = "vllm:aio_"
-    return {m.name[len(prefix):]: m.value for m in llm.get_metrics() if m.name.startswith(prefix)}
-
-
-def _handshake(directory: Path, round_index: int) -> None:
-    """Tell the test the engine is between rounds; wait until it says go on."""
-    (directory / f"before-{round_index}").touch()
-    while not (directory / f"go-{round_index}").exists():
-        time.sleep(0.05)
+    return {m.name[len(prefix):]: m.value for m in llm.get_metrics()
+            if m.name.startswith(prefix) and isinstance(m, Counter)}
 
 
 def _result(output, dtype: str) -> dict:
@@ -147,5 +166,4 @@ if __name__ == "__main__":
     spec_path, result_path = sys.argv[1:3]
     with open(spec_path) as f:
         result = run(json.load(f))
-    with open(result_path, "w") as f:
-        json.dump(result, f)
+    _write(Path(result_path), result)

@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conftest import THREADS
+from conftest import EAGER, THREADS
 from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy
 
 # The migration routes are an endpoint plugin: VLLM_PLUGINS must name it, and
@@ -52,7 +52,7 @@ class Servers:
     def start(self, specs: dict[str, dict], args: dict[str, list[str]] | None = None) -> dict[str, Server]:
         """Start one server per ``name -> kv_transfer_config`` and wait until all are healthy;
         ``args[name]`` adds to (or, for a flag given twice, overrides) SERVER_ARGS."""
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0", "VLLM_PLUGINS": PLUGINS, **THREADS}
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0", "VLLM_PLUGINS": PLUGINS, **THREADS, **EAGER}
         servers = {}
         for name, config in specs.items():
             port, log = free_port(), self.workdir / f"{name}.log"

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from conftest import THREADS, aio_config
+from conftest import EAGER, THREADS, aio_config
 from vllm_aio.devtools.load import SERVER_ENV, LoadMix, Outcome, compare, read_metrics, run_load, server_args
 from vllm_aio.devtools.serve import free_port, log_tail, vllm_server, wait_healthy
 from vllm_aio.pool.entry import HEADER_BYTES
@@ -42,7 +42,7 @@ MIX = LoadMix(num_requests=48, num_prefixes=6, prefix_tokens=(1024, 2048), tail_
               seed=14)
 CONCURRENCY = 16
 TOLERANCE = 1e-3
-ENV = {**SERVER_ENV, **THREADS}  # one OpenMP thread per core, unpinned (conftest.THREADS)
+ENV = {**SERVER_ENV, **THREADS, **EAGER}  # one OpenMP thread per core, unpinned (conftest.THREADS); EAGER: conftest
 SENSITIVE = re.compile(r"aio:[0-9a-f]{16}:|[0-9a-f]{64}|\[(\d+, ){15}\d+")
 # float32 KV of the tiny model: 4 KiB a token, so ~13k distinct tokens (~1/2 of them shared
 # prefixes) take ~53 MB; the pools hold less than half of that.

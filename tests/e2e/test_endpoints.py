@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import ROOT, aio_config, require
+from conftest import EAGER, ROOT, aio_config, require
 from vllm_aio.devtools.serve import free_port, server_command, stop_server, wait_healthy
 from vllm_aio.migration.channel import MAX_BODY_BYTES, ControlServer, socket_path
 
@@ -66,7 +66,7 @@ def server(tiny_model: Path) -> Iterator[Server]:
         "--kv-transfer-config", json.dumps(aio_config(local_pool_size="64MB")),
     ]
     env = {**os.environ, "VLLM_PLUGINS": VLLM_PLUGINS, "XDG_RUNTIME_DIR": runtime_dir,
-           "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_KVCACHE_SPACE": "1", **EAGER,
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     with pytest.MonkeyPatch.context() as mp, open(log_path, "wb") as log:
         mp.setenv("XDG_RUNTIME_DIR", runtime_dir)
