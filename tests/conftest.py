@@ -379,6 +379,8 @@ PROMPTS = {
     "pd_new": make_prompts(3, [600]),
     "small_pool": make_prompts(4, [900, 1100, 1300]),
     "faults": make_prompts(5, [800, 1200]),
+    "garbage": make_prompts(8, [800, 1200]),
+    "down": make_prompts(9, [800, 1200]),
     "tp2": make_prompts(6, [900, 1300]),
     "poison": make_prompts(7, [1120]),  # its first 640 tokens stored first (test_e2e_pool.py)
 }

@@ -44,8 +44,10 @@ def run(spec: dict) -> dict:
         # alone, a request's result depends only on its own KV.
         max_num_seqs=spec.get("max_num_seqs", 1),
         tensor_parallel_size=tp,
-        # As `vllm serve` runs: one rank's worker in the engine core's process, ranks of TP > 1 in
-        # processes of their own. A worker process per TP=1 engine cost 7 s of a 19 s start here.
+        # TP=1: the worker in the engine core's process (vLLM's default on GPUs; its CPU platform
+        # moves it to a process of its own only where the core has one, to set OpenMP's environment
+        # there, and here the core runs in this process, started with the test's environment).
+        # A worker process per TP=1 engine cost 7 s of a 19 s start here.
         distributed_executor_backend="mp" if tp > 1 else "uni",
         attention_backend=spec.get("attention_backend"),
         dtype=spec.get("dtype", "auto"),

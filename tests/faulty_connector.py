@@ -1,8 +1,10 @@
 """AioConnector with faults injected at the backend boundary, for end-to-end tests.
 
 Loaded by real vLLM through ``kv_connector_module_path: faulty_connector``;
-``AIO_FAULT`` picks the fault. Everything else (vLLM, the connector, the
-embedded pool) is the real thing.
+``AIO_FAULT`` picks the fault, or ``AIO_FAULT_FILE`` names a file whose
+contents (a fault, or ``none``) are read at every call, so that a test
+switches the fault between rounds of one engine. Everything else (vLLM, the
+connector, the embedded pool) is the real thing.
 
 Segments of a load are ``[header, payload...]`` (host KV cache). The embedded
 pool's direct path (``Backend.slots``) gets the same faults at its slot store:
@@ -32,14 +34,30 @@ import numpy as np
 
 from vllm_aio.backends import Status
 from vllm_aio.connector import AioConnector
-from vllm_aio.buffer.participant import BufferHooks
 from vllm_aio.pool.entry import HEADER_BYTES
-from vllm_aio.pool.host_pool import READY
+
+# Imported where used: the buffer and the pool load numba, which vLLM's config check must not
+# find loaded when this module is imported from it (``AioConnector.__init__`` says why).
+
+
+def fault_in_force() -> str:
+    path = os.environ.get("AIO_FAULT_FILE")
+    if path is None:
+        return os.environ["AIO_FAULT"]
+    try:
+        with open(path) as f:
+            return f.read().strip() or "none"
+    except FileNotFoundError:
+        return "none"
 
 
 class _FaultyBackend:
-    def __init__(self, inner, fault: str) -> None:
-        self.inner, self.fault = inner, fault
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    @property
+    def fault(self) -> str:
+        return fault_in_force()
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -67,7 +85,7 @@ class _FaultyBackend:
 
     def slots(self):
         inner = self.inner.slots()
-        return None if inner is None else _FaultySlots(inner, self.fault)
+        return None if inner is None else _FaultySlots(inner)
 
     def batch_get(self, keys, segments):
         self._down()
@@ -86,9 +104,13 @@ class _FaultyBackend:
 class _FaultySlots:
     """The embedded pool's slot store with the same faults as ``_FaultyBackend.batch_get``."""
 
-    def __init__(self, inner, fault: str) -> None:
-        self.inner, self.fault = inner, fault
+    def __init__(self, inner) -> None:
+        self.inner = inner
         self._torn: set[int] = set()
+
+    @property
+    def fault(self) -> str:
+        return fault_in_force()
 
     def __getattr__(self, name):  # the mapping itself (region, slot_size) stays
         if self.fault == "pool_down" and name in ("reserve", "reserve_blocks", "commit", "abandon"):
@@ -121,6 +143,8 @@ class _FaultySlots:
 def _evict_one(pool) -> None:
     """Evict the least recently used value, as ``vllm-aio pool clear`` does (leases do not stop it):
     the pool really lost it. Its 64-byte header names exactly one value."""
+    from vllm_aio.pool.host_pool import READY
+
     ready = np.flatnonzero(pool._state == READY)
     oldest = int(ready[np.argmin(pool._last_used[ready])])
     (header,) = pool.read_headers([oldest], HEADER_BYTES)
@@ -134,12 +158,14 @@ def _scribble(segments) -> None:
 
 class FaultyAioConnector(AioConnector):
     def open_backend(self, cfg, dep, for_scheduler):
-        return _FaultyBackend(super().open_backend(cfg, dep, for_scheduler), os.environ["AIO_FAULT"])
+        return _FaultyBackend(super().open_backend(cfg, dep, for_scheduler))
 
     def register_kv_caches(self, kv_caches):
+        from vllm_aio.buffer.participant import BufferHooks
+
         super().register_kv_caches(kv_caches)
         hooks = self._worker._buffer
-        if os.environ["AIO_FAULT"] == "skip_buffer_load" and isinstance(hooks, BufferHooks):
+        if fault_in_force() == "skip_buffer_load" and isinstance(hooks, BufferHooks):
             # A negative control has to break the buffer from inside: its layer load.
             copier = hooks.buffer._copier
             load = copier._load

@@ -9,11 +9,13 @@ from __future__ import annotations
 import ctypes
 import time
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from conftest import (PROMPTS, TP2, Engine, aio_config, assert_output_varies, assert_same_generation, block_value_bytes,
-                      host_has_amx)
+from conftest import (PROMPTS, TP2, Engine, LiveEngine, Round, aio_config, assert_output_varies, assert_same_generation,
+                      block_value_bytes, host_has_amx)
 
 
 def _cached_fraction(result: dict) -> float:
@@ -65,21 +67,59 @@ def _faulty(**extra) -> dict:
     return aio_config(module="faulty_connector", connector="FaultyAioConnector", local_pool_size="256MB", **extra)
 
 
-@pytest.mark.parametrize("mode", ["whole_blocks", "layerwise"])
-def test_blocks_lost_or_torn_at_load_are_recomputed(engine, baseline, mode):
+@dataclass
+class FaultyEngine:
+    """One whole-blocks engine for the fault cases, each test's fault written to a file it reads at
+    every call (``faulty_connector``) before the test's rounds, over prompts of the test's own."""
+
+    live: LiveEngine
+    fault_file: Path
+
+    def cold_and_warm(self, fault: str, prompts: list[list[int]]) -> tuple[Round, Round]:
+        self.fault_file.write_text(fault)
+        return self.live.round(prompts), self.live.round(prompts)
+
+
+@pytest.fixture(scope="module")
+def faulty_engine(tiny_model, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("faults")
+    live = Engine(tiny_model, workdir).start(_faulty(), env={"AIO_FAULT_FILE": str(workdir / "fault")})
+    try:
+        yield FaultyEngine(live, workdir / "fault")
+        live.close()
+    finally:
+        live.kill()
+
+
+def test_blocks_lost_or_torn_at_load_are_recomputed(faulty_engine, baseline):
+    cold, warm = faulty_engine.cold_and_warm("lost_and_torn", PROMPTS["faults"])
+    assert_same_generation(warm.results, baseline["faults"])
+    assert "pool blocks could not be loaded (1 corrupt, 1 missing); vLLM recomputes them" in warm.log
+
+
+def test_blocks_lost_or_torn_at_a_layerwise_load_are_recomputed(engine, baseline):
     prompts = PROMPTS["faults"]
-    cold, warm = engine.run([prompts, prompts], _faulty(**TRANSFER_MODES[mode]), env={"AIO_FAULT": "lost_and_torn"})
+    cold, warm = engine.run([prompts, prompts], _faulty(**TRANSFER_MODES["layerwise"]), env={"AIO_FAULT": "lost_and_torn"})
     assert_same_generation(warm, baseline["faults"])
     assert "pool blocks could not be loaded (1 corrupt, 1 missing); vLLM recomputes them" in engine.last_log
 
 
-def test_unreported_garbage_changes_the_output(engine, baseline):
+def test_unreported_garbage_changes_the_output(faulty_engine, baseline):
     # Negative control: if a bad block were served silently, the suite would see it.
-    prompts = PROMPTS["faults"]
-    cold, warm = engine.run([prompts, prompts], _faulty(), env={"AIO_FAULT": "silent_garbage"})
-    assert_same_generation(cold, baseline["faults"])
+    cold, warm = faulty_engine.cold_and_warm("silent_garbage", PROMPTS["garbage"])
+    assert_same_generation(cold.results, baseline["garbage"])
     with pytest.raises(AssertionError):
-        assert_same_generation(warm, baseline["faults"])
+        assert_same_generation(warm.results, baseline["garbage"])
+
+
+# Last of the engine's cases: a save failure is logged once per engine.
+def test_pool_down_serves_every_request_by_recompute(faulty_engine, baseline):
+    cold, warm = faulty_engine.cold_and_warm("pool_down", PROMPTS["down"])
+    assert all(r["cached"] == 0 for r in cold.results + warm.results)
+    assert_same_generation(warm.results, baseline["down"])
+    log = cold.log + warm.log
+    assert log.count("pool save failed") == 1
+    assert "pool lookup failed, treating as a miss" in log
 
 
 def test_kv_computed_over_a_block_that_failed_to_load_is_never_stored(engine, baseline, tiny_model):
@@ -117,15 +157,6 @@ def test_kv_computed_over_a_block_that_failed_to_load_is_never_stored(engine, ba
     assert_same_generation(refused, baseline["poison"])
     assert readable[0]["cached"] == len(prompt) - 1  # every block from the pool
     assert_same_generation(readable, baseline["poison"])
-
-
-def test_pool_down_serves_every_request_by_recompute(engine, baseline):
-    prompts = PROMPTS["faults"]
-    cold, warm = engine.run([prompts, prompts], _faulty(), env={"AIO_FAULT": "pool_down"})
-    assert all(r["cached"] == 0 for r in cold + warm)
-    assert_same_generation(warm, baseline["faults"])
-    assert engine.last_log.count("pool save failed") == 1
-    assert "pool lookup failed, treating as a miss" in engine.last_log
 
 
 def _tp2_run(model, workdir) -> int:
