@@ -15,9 +15,9 @@ import torch
 from vllm_aio import vllm_compat
 from vllm_aio.buffer.layer_buffer import LayerBuffer
 from vllm_aio.buffer.remap import check_backends
-from vllm_aio.connector.deployment import Deployment
-from vllm_aio.connector.metadata import AioConnectorMetadata
 from vllm_aio.log import get_logger
+from vllm_aio.shared.deployment import Deployment
+from vllm_aio.shared.metadata import AioConnectorMetadata
 
 logger = get_logger(__name__)
 
