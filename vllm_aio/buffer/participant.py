@@ -24,7 +24,7 @@ logger = get_logger(__name__)
 
 class BufferHooks:
     """The buffer's hooks. Each runs only in steps the scheduler planned for the buffer (vLLM also
-    runs forwards without connector metadata, e.g. to profile)."""
+    runs forwards without the connector's metadata, e.g. to profile)."""
 
     def __init__(self, buffer: LayerBuffer, layer_names: Sequence[str]) -> None:
         self.buffer = buffer
