@@ -87,8 +87,8 @@ from vllm_aio.backends.local import LocalBackend
 from vllm_aio.connector.block_io import (
     BlockIO, BlockRef, CopyHandoff, InPlacePath, StagedPath, ValueLabels, open_block_io,
 )
-from vllm_aio.connector.block_layout import BlockLayout
-from vllm_aio.connector.staging import StagingBuffer
+from vllm_aio.block_layout import BlockLayout
+from vllm_aio.staging import StagingBuffer
 from vllm_aio.device import Device
 from vllm_aio.pool import shm_file
 from vllm_aio.pool.entry import HEADER_BYTES

@@ -132,7 +132,7 @@ import torch.nn.functional as F
 
 from vllm_aio.buffer.plan import private_blocks
 from vllm_aio.buffer.layer_buffer import LayerBuffer
-from vllm_aio.connector.metadata import BufferStep
+from vllm_aio.shared.metadata import BufferStep
 from benchmarks._accel import Accel, copy_bandwidth, timed
 from benchmarks._model import DTYPE, LLAMA3_8B, TINY, Model, Weights, attend_grouped, finish, project, random_rows
 from benchmarks._report import arguments, print_markdown, write_results

@@ -1,7 +1,7 @@
 """A batch of blocks between the paged KV cache and rows of one buffer, every plane in one launch.
 
 A stored value holds a block's bytes of one layer or of every layer
-(``connector/block_layout.py``): 2 planes (K and V) per layer, each in its
+(``block_layout.py``): 2 planes (K and V) per layer, each in its
 own region of the layer's cache tensor. Moving a batch with torch's index
 kernels takes one launch per plane (two for a gather: ``index_select``, then
 the copy into the row), 128 launches for a whole-block value of a 32-layer

@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from vllm_aio.backends.local import LocalBackend
+from vllm_aio.block_layout import cache_tensors
 from vllm_aio.config import AioConfig, TransferMode
-from vllm_aio.connector.block_layout import cache_tensors
-from vllm_aio.connector.deployment import Deployment
-from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer
 from vllm_aio.connector.worker import AioWorker
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Namespace
 from vllm_aio.pool.ownership import Ownership
+from vllm_aio.shared.deployment import Deployment
+from vllm_aio.shared.metadata import AioConnectorMetadata, BlockTransfer
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 NUM_BLOCKS, BLOCK = 12, 16

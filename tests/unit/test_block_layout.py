@@ -1,4 +1,4 @@
-"""Unit tests of ``vllm_aio.connector.block_layout.BlockLayout``: segment addresses and sizes."""
+"""Unit tests of ``vllm_aio.block_layout.BlockLayout``: segment addresses and sizes."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_aio.connector import block_layout
-from vllm_aio.connector.block_layout import BlockLayout
+from vllm_aio import block_layout
+from vllm_aio.block_layout import BlockLayout
 from vllm_aio.device import npu_private_format
 
 NUM_BLOCKS = 6

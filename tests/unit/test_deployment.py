@@ -79,7 +79,7 @@ def _hashes_and_block_ids(vllm_config: SimpleNamespace, kv_cache_config) -> tupl
 
 def _deployment(vllm_config: SimpleNamespace, kv_cache_config):
     from vllm_aio.config import AioConfig
-    from vllm_aio.connector.deployment import build_deployment
+    from vllm_aio.shared.deployment import build_deployment
 
     return build_deployment(vllm_config, kv_cache_config, AioConfig())
 
@@ -134,7 +134,7 @@ def _attention(window: int | None = None):
 
 def _hybrid(**options):
     from vllm_aio.config import AioConfig
-    from vllm_aio.connector.deployment import build_deployment
+    from vllm_aio.shared.deployment import build_deployment
 
     vllm_config = _vllm_config(dcp=1, pcp=1)
     vllm_config.kv_events_config = options.pop("kv_events_config", None)  # vLLM's own config, not the connector's
@@ -190,7 +190,7 @@ def test_features_naming_one_groups_blocks_are_refused_for_a_hybrid_model(option
                                                 ("migration", {"migration": True})])
 def test_features_naming_every_block_are_refused_with_a_sliding_window(option, config) -> None:
     from vllm_aio.config import AioConfig, ConfigError
-    from vllm_aio.connector.deployment import build_deployment
+    from vllm_aio.shared.deployment import build_deployment
 
     with pytest.raises(ConfigError, match=f"{option} is not supported with sliding-window attention"):
         build_deployment(_vllm_config(dcp=1, pcp=1), _groups_config(_attention(64)), AioConfig(**config))
@@ -198,7 +198,7 @@ def test_features_naming_every_block_are_refused_with_a_sliding_window(option, c
 
 def test_groups_of_unequal_pages_are_refused() -> None:
     from vllm_aio.config import AioConfig, ConfigError
-    from vllm_aio.connector.deployment import build_deployment
+    from vllm_aio.shared.deployment import build_deployment
 
     config = _groups_config(_attention(64), _attention())
     config.kv_cache_groups[1].layer_names.append("layers.4")

@@ -60,7 +60,7 @@ def test_hooks_called_with_no_metadata_bound_return_at_once():
     """vLLM's graph capture and vllm-ascend's dummy runs (MLA/SFA/DSA attention, idle DP ranks) call
     the per-layer hooks with no step's metadata bound: nothing reaches the worker, nothing raises."""
     from vllm_aio.connector.connector import AioConnector
-    from vllm_aio.connector.metadata import AioConnectorMetadata
+    from vllm_aio.shared.metadata import AioConnectorMetadata
 
     connector = AioConnector.__new__(AioConnector)  # the facade alone, over a worker that records
     connector._worker = worker = _Worker()

@@ -7,9 +7,9 @@ import dataclasses
 from test_scheduler import deployment
 
 from vllm_aio.config import TransferMode
-from vllm_aio.connector.deployment import CacheGroup
-from vllm_aio.connector.keying import PoolKeying
 from vllm_aio.pool.ownership import Ownership
+from vllm_aio.shared.deployment import CacheGroup
+from vllm_aio.shared.keying import PoolKeying
 
 
 def test_parts_name_every_shard_and_unit_of_the_deployment():

@@ -19,10 +19,10 @@ from test_device import registered
 
 from vllm_aio import host_copy
 from vllm_aio.buffer.plan import private_blocks
-from vllm_aio.connector.block_layout import BlockLayout
+from vllm_aio.block_layout import BlockLayout
 from vllm_aio.buffer.layer_buffer import LayerBuffer
 from vllm_aio.buffer.steps import split_runs
-from vllm_aio.connector.metadata import BufferStep
+from vllm_aio.shared.metadata import BufferStep
 
 NUM_BLOCKS, PAGE = 24, (2, 16, 32)  # [blocks, K/V, tokens, channels]
 PAGE_BYTES = 2 * 16 * 32 * 2  # bf16

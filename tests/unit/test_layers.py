@@ -1,9 +1,10 @@
 """The scheduler half stays on its side of the process boundary.
 
 It runs in vLLM's engine-core process and never touches KV bytes: scheduler,
-metadata, deployment facts, keys, ownership, entry headers, configuration and
-the backend contract import neither torch nor numpy (nor vLLM, which imports
-torch). Checked in a fresh interpreter where importing them fails.
+the shared facts (``shared/``: deployment, keys, metadata), ownership, entry
+headers, configuration and the backend contract import neither torch nor numpy
+(nor vLLM, which imports torch). Checked in a fresh interpreter where importing
+them fails.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ SCHEDULER_HALF = (
     "vllm_aio.pool.entry",
     "vllm_aio.backends",
     "vllm_aio.backends.tiered",
-    "vllm_aio.connector.metadata",
-    "vllm_aio.connector.deployment",
+    "vllm_aio.shared.deployment",
+    "vllm_aio.shared.keying",
+    "vllm_aio.shared.metadata",
     "vllm_aio.connector.scheduler",
-    "vllm_aio.connector.keying",
     "vllm_aio.connector.leases",
     "vllm_aio.connector.lookups",
     "vllm_aio.connector.load_plan",
@@ -44,6 +45,6 @@ def test_scheduler_half_imports_neither_torch_nor_numpy_nor_vllm():
 
 def test_a_worker_side_module_is_caught_importing_torch():
     # The check itself can fail: the block layout needs torch.
-    blocked = "import sys\nsys.modules['torch'] = None\nimport vllm_aio.connector.block_layout\n"
+    blocked = "import sys\nsys.modules['torch'] = None\nimport vllm_aio.block_layout\n"
     proc = subprocess.run([sys.executable, "-c", blocked], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode != 0 and "torch" in proc.stderr

@@ -19,12 +19,12 @@ import torch
 
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.config import AioConfig, TransferMode
-from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.scheduler import AioScheduler
 from vllm_aio.connector.worker import AioWorker
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Namespace
 from vllm_aio.pool.ownership import Ownership
+from vllm_aio.shared.deployment import Deployment
 
 BS = 16
 PROMPT_BLOCKS = 8192  # 131,072 tokens

@@ -1,4 +1,4 @@
-"""What the scheduler sends the workers each step (``connector/metadata.py``): content and size on the wire."""
+"""What the scheduler sends the workers each step (``shared/metadata.py``): content and size on the wire."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer
+from vllm_aio.shared.metadata import AioConnectorMetadata, BlockTransfer
 
 BLOCKS = 8192  # a 128k-token prompt of 16-token blocks
 

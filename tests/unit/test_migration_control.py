@@ -15,8 +15,6 @@ import pytest
 
 from vllm_aio.backends.local import PoolSlots
 from vllm_aio.config import AioConfig
-from vllm_aio.connector.deployment import Deployment
-from vllm_aio.connector.keying import PoolKeying
 from vllm_aio.migration import control
 from vllm_aio.migration.control import MigrationControl
 from vllm_aio.migration.flushes import FlushRequests
@@ -24,6 +22,8 @@ from vllm_aio.migration.transport import LinkUnavailableError, TransferError
 from vllm_aio.pool.host_pool import SharedHostPool
 from vllm_aio.pool.keys import Namespace
 from vllm_aio.pool.shm_file import SHM_DIR
+from vllm_aio.shared.deployment import Deployment
+from vllm_aio.shared.keying import PoolKeying
 
 BS, VALUE, SLOTS = 4, 256, 64
 TOKENS = list(range(18))  # 4 full blocks and 2 tokens

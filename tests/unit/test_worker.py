@@ -15,12 +15,12 @@ import torch
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.config import AioConfig, TransferMode
-from vllm_aio.connector.deployment import Deployment
-from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer, LookupCounts
 from vllm_aio.connector.worker import AioWorker
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Namespace, block_key
 from vllm_aio.pool.ownership import Ownership
+from vllm_aio.shared.deployment import Deployment
+from vllm_aio.shared.metadata import AioConnectorMetadata, BlockTransfer, LookupCounts
 
 LAYERS, NUM_BLOCKS, PAGE = ("l0", "l1"), 16, (2, 4, 8)  # [blocks, heads, tokens, channels]
 PAGE_BYTES = 2 * 4 * 8 * 2
@@ -459,7 +459,7 @@ def test_layer_load_past_the_timeout_fails_the_step_without_waiting_per_layer(ma
 
 def _hybrid_worker(caches: dict[str, torch.Tensor], backend=None) -> tuple[AioWorker, LocalBackend]:
     """A worker of two KV cache groups whose layers ``l*`` and ``w*`` are laid over each other."""
-    from vllm_aio.connector.deployment import CacheGroup
+    from vllm_aio.shared.deployment import CacheGroup
 
     cfg = AioConfig(staging_buffer_size=1 << 20, transfer_mode="async")
     groups = (CacheGroup(LAYERS, 16), CacheGroup(("w0", "w1")))
@@ -476,7 +476,7 @@ def _overlaid(seed: int) -> dict[str, torch.Tensor]:
 
 
 def test_groups_not_laid_over_each_other_are_refused():
-    from vllm_aio.connector.block_layout import check_groups_alias
+    from vllm_aio.block_layout import check_groups_alias
 
     check_groups_alias(_overlaid(0), [LAYERS, ("w0", "w1")])
     caches = {**kv_caches(0), "w0": kv_caches(1)["l0"], "w1": kv_caches(1)["l1"]}

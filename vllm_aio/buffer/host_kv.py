@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from vllm_aio.connector.block_layout import BlockLayout
+from vllm_aio.block_layout import BlockLayout
 from vllm_aio.device import Device, HostMemory
 
 # Each layer's region of the host copy starts on a page.

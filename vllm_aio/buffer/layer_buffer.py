@@ -43,15 +43,15 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from vllm_aio.block_layout import BlockLayout
 from vllm_aio.buffer.copier import DIRECT_COPY_BYTES, Copier
 from vllm_aio.buffer.host_kv import HostKV
 from vllm_aio.buffer.plan import private_blocks
 from vllm_aio.buffer.remap import BlockRemap
 from vllm_aio.buffer.steps import StepPlanner
-from vllm_aio.connector.block_layout import BlockLayout
-from vllm_aio.connector.metadata import BufferStep
 from vllm_aio.device import Device
 from vllm_aio.log import get_logger
+from vllm_aio.shared.metadata import BufferStep
 
 logger = get_logger(__name__)
 

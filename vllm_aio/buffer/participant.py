@@ -15,16 +15,16 @@ import torch
 from vllm_aio import vllm_compat
 from vllm_aio.buffer.layer_buffer import LayerBuffer
 from vllm_aio.buffer.remap import check_backends
-from vllm_aio.connector.deployment import Deployment
-from vllm_aio.connector.metadata import AioConnectorMetadata
 from vllm_aio.log import get_logger
+from vllm_aio.shared.deployment import Deployment
+from vllm_aio.shared.metadata import AioConnectorMetadata
 
 logger = get_logger(__name__)
 
 
 class BufferHooks:
     """The buffer's hooks. Each runs only in steps the scheduler planned for the buffer (vLLM also
-    runs forwards without connector metadata, e.g. to profile)."""
+    runs forwards without the connector's metadata, e.g. to profile)."""
 
     def __init__(self, buffer: LayerBuffer, layer_names: Sequence[str]) -> None:
         self.buffer = buffer

@@ -19,17 +19,47 @@ Plain Python, scheduler side: block ids, never bytes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from vllm_aio import vllm_compat
 from vllm_aio.buffer.residency import Residency
-from vllm_aio.connector.deployment import Deployment
-from vllm_aio.connector.metadata import BufferStep
+from vllm_aio.shared.deployment import Deployment
+from vllm_aio.shared.metadata import BufferStep
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm_aio.vllm_compat import SchedulerOutput
 
-    from vllm_aio.connector.save_plan import Scheduled
+
+# What the planner reads of the step's requests, as Protocols: the scheduler half passes its
+# ``connector/save_plan.py`` ``Scheduled``, and the buffer imports nothing of the connector.
+class _Request(Protocol):
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def priority(self) -> int: ...
+
+
+class _RequestBlocks(Protocol):
+    @property
+    def request(self) -> _Request: ...
+
+    @property
+    def block_ids(self) -> Sequence[Sequence[int]]: ...  # per KV cache group
+
+
+class ScheduledRequest(Protocol):
+    """A request in this step: its blocks, tokens computed before the step and once it is done."""
+
+    @property
+    def blocks(self) -> _RequestBlocks: ...
+
+    @property
+    def computed_tokens(self) -> int: ...
+
+    @property
+    def done_tokens(self) -> int: ...
 
 
 class BufferPlanner:
@@ -37,7 +67,7 @@ class BufferPlanner:
         self._dep = deployment
         self._residency = Residency(deployment.resident_blocks) if deployment.resident_blocks else None
 
-    def step(self, scheduled: "list[Scheduled]", scheduler_output: "SchedulerOutput") -> BufferStep:
+    def step(self, scheduled: Sequence[ScheduledRequest], scheduler_output: SchedulerOutput) -> BufferStep:
         """The blocks the dynamic buffer streams through the device this step."""
         step = BufferStep(
             zeroed=list(scheduler_output.new_block_ids_to_zero or []),
@@ -52,7 +82,7 @@ class BufferPlanner:
             self._pin(step, scheduled, self._residency)
         return step
 
-    def _pin(self, step: BufferStep, scheduled: "list[Scheduled]", residency: Residency) -> None:
+    def _pin(self, step: BufferStep, scheduled: Sequence[ScheduledRequest], residency: Residency) -> None:
         """Keep the highest class's blocks that fit on the device: moved from ``resident`` to
         ``pinned``. vLLM's zeroing or copy into a pinned block reaches the host copy only, so it
         is promoted again."""
@@ -77,7 +107,7 @@ class BufferPlanner:
 class NoBuffer:
     """The planner without the dynamic buffer: the metadata carries no buffer step."""
 
-    def step(self, scheduled: "list[Scheduled]", scheduler_output: "SchedulerOutput") -> None:
+    def step(self, scheduled: Sequence[ScheduledRequest], scheduler_output: SchedulerOutput) -> None:
         return None
 
     def release(self, req_id: str) -> None:

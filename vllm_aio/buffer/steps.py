@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_aio.connector.metadata import BufferStep
+from vllm_aio.shared.metadata import BufferStep
 
 _NONE = np.empty(0, np.int64)
 

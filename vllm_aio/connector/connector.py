@@ -22,14 +22,14 @@ from vllm_aio.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
 from vllm_aio.backends import Backend, create_backend
 from vllm_aio.backends.settings import ConfigError
 from vllm_aio.config import TransferMode, parse_extra_config, transfer_mode_of
-from vllm_aio.connector.deployment import build_deployment
 from vllm_aio.connector.events import KVEvents
-from vllm_aio.connector.metadata import AioConnectorMetadata
 from vllm_aio.connector.scheduler import AioScheduler
 from vllm_aio.connector.stats import AioConnectorStats, AioPromMetrics
 from vllm_aio.connector.vllm_events import SavedPartsEvents, to_vllm
 from vllm_aio.log import get_logger
 from vllm_aio.pool.ownership import Ownership
+from vllm_aio.shared.deployment import build_deployment
+from vllm_aio.shared.metadata import AioConnectorMetadata
 
 if TYPE_CHECKING:
     import torch
@@ -42,11 +42,11 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from vllm_aio.block_layout import LayerCache
     from vllm_aio.config import AioConfig
-    from vllm_aio.connector.block_layout import LayerCache
-    from vllm_aio.connector.deployment import Deployment
     from vllm_aio.connector.worker import AioWorker
     from vllm_aio.pool.ownership import Topology
+    from vllm_aio.shared.deployment import Deployment
 
 logger = get_logger(__name__)
 

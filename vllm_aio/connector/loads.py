@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 from vllm_aio.backends import Status
 from vllm_aio.connector.block_io import Batch, BlockIO, BlockRef, DistinctBlocks, Loaded
-from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer
 from vllm_aio.connector.transfer import TransferThread
 from vllm_aio.log import get_logger
 from vllm_aio.pool.keys import Unit
 from vllm_aio.pool.ownership import Ownership
+from vllm_aio.shared.metadata import AioConnectorMetadata, BlockTransfer
 
 logger = get_logger(__name__)
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_aio.backends import Backend
-from vllm_aio.connector.deployment import CacheGroup, Deployment
 from vllm_aio.connector.events import KVEvents
-from vllm_aio.connector.keying import PoolKeying
 from vllm_aio.log import get_logger
+from vllm_aio.shared.deployment import CacheGroup, Deployment
+from vllm_aio.shared.keying import PoolKeying
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

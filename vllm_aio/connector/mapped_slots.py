@@ -39,7 +39,7 @@ import torch
 
 from vllm_aio import host_copy
 from vllm_aio.backends import SlotStore, Status
-from vllm_aio.connector.block_layout import BlockLayout
+from vllm_aio.block_layout import BlockLayout
 from vllm_aio.device import Device, MappedHost, host_tensor
 from vllm_aio.host_copy import copy_rows
 from vllm_aio.log import get_logger

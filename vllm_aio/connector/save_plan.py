@@ -26,11 +26,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.events import KVEvents
-from vllm_aio.connector.keying import PoolKeying
 from vllm_aio.connector.load_plan import first_held
-from vllm_aio.connector.metadata import BlockTransfer
+from vllm_aio.shared.deployment import Deployment
+from vllm_aio.shared.keying import PoolKeying
+from vllm_aio.shared.metadata import BlockTransfer
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -29,11 +29,11 @@ from vllm_aio.backends import Status
 from vllm_aio.connector.block_io import Batch, BlockIO, BlockRef, CopyHandoff
 from vllm_aio.connector.events import SettledSaves
 from vllm_aio.connector.loads import StepLoads
-from vllm_aio.connector.metadata import AioConnectorMetadata, BlockTransfer
 from vllm_aio.connector.transfer import TransferThread
 from vllm_aio.log import get_logger
 from vllm_aio.pool.keys import Unit
 from vllm_aio.pool.ownership import Ownership
+from vllm_aio.shared.metadata import AioConnectorMetadata, BlockTransfer
 
 logger = get_logger(__name__)
 

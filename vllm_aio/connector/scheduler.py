@@ -7,7 +7,7 @@ touches KV bytes. Per step it turns vLLM's scheduling decisions into an
 during the forward and get saved.
 
 ``AioScheduler`` only routes vLLM's calls; each concern is a module of its own:
-the keys (``keying.py``), lookups (``lookups.py``), leases of promised blocks
+the keys (``shared/keying.py``), lookups (``lookups.py``), leases of promised blocks
 (``leases.py``), loads and their failures (``load_plan.py``), saves and
 rescues of running requests (``save_plan.py``), the dynamic buffer's step
 (``buffer/planner.py``) and migrations' flushes (``migration/flushes.py``).
@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING
 
 from vllm_aio.backends import Backend
 from vllm_aio.buffer.planner import buffer_planner
-from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.events import KVEvents
-from vllm_aio.connector.keying import PoolKeying
 from vllm_aio.connector.leases import Leases
 from vllm_aio.connector.load_plan import LoadPlanner
 from vllm_aio.connector.lookups import PoolLookups
-from vllm_aio.connector.metadata import AioConnectorMetadata
 from vllm_aio.connector.save_plan import SavePlanner
 from vllm_aio.pool.keys import BlockParts
+from vllm_aio.shared.deployment import Deployment
+from vllm_aio.shared.keying import PoolKeying
+from vllm_aio.shared.metadata import AioConnectorMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

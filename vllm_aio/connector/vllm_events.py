@@ -15,7 +15,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from vllm_aio.connector.events import Removed, SavedParts, Stored
 
-# The KV cache group of every event: the connector serves models with one (``deployment.py``).
+# The KV cache group of every event: the connector serves models with one (``shared/deployment.py``).
 _GROUP = 0
 
 

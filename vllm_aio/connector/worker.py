@@ -25,20 +25,20 @@ import threading
 from typing import Any
 
 from vllm_aio.backends import Backend
+from vllm_aio.block_layout import LayerCache, check_groups_alias
 from vllm_aio.buffer.participant import BufferHooks, NoBuffer, open_buffer
 from vllm_aio.config import AioConfig, TransferMode
 from vllm_aio.connector.block_io import BlockIO, open_block_io
-from vllm_aio.connector.block_layout import LayerCache, check_groups_alias
-from vllm_aio.connector.deployment import Deployment
 from vllm_aio.connector.events import SavedParts, SettledSaves
 from vllm_aio.connector.loads import BeforeBuffer, BeforeForward, InBackground, Layerwise, LoadReport, Loads
-from vllm_aio.connector.metadata import AioConnectorMetadata
 from vllm_aio.connector.saves import LayerwiseSaves, Saves, WholeBlockSaves
 from vllm_aio.connector.stats import AioConnectorStats
 from vllm_aio.connector.transfer import TransferThread
 from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import EntryHeader
 from vllm_aio.pool.ownership import Ownership
+from vllm_aio.shared.deployment import Deployment
+from vllm_aio.shared.metadata import AioConnectorMetadata
 
 logger = get_logger(__name__)
 

@@ -35,8 +35,6 @@ from typing import Any
 
 from vllm_aio.backends.base import Backend
 from vllm_aio.config import AioConfig
-from vllm_aio.connector.deployment import Deployment
-from vllm_aio.connector.keying import PoolKeying
 from vllm_aio.log import get_logger
 from vllm_aio.migration import source
 from vllm_aio.migration.flushes import FlushRequests
@@ -45,6 +43,8 @@ from vllm_aio.migration.target import MigrationRefused, MigrationTarget
 from vllm_aio.migration.transport import LinkSettings, LinkUnavailableError, PeerLink, TransferError, late_write_bound
 from vllm_aio.pool.entry import HASH_PREFIX_BYTES, HEADER_BYTES, EntryHeader
 from vllm_aio.pool.keys import parse_block_key
+from vllm_aio.shared.deployment import Deployment
+from vllm_aio.shared.keying import PoolKeying
 
 logger = get_logger(__name__)
 

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 from vllm_aio.backends.base import Backend
 from vllm_aio.config import AioConfig
-from vllm_aio.connector.deployment import Deployment
-from vllm_aio.connector.keying import PoolKeying
 from vllm_aio.log import get_logger
 from vllm_aio.migration.channel import ControlServer, socket_path
 from vllm_aio.migration.control import MigrationControl
 from vllm_aio.migration.flushes import FlushRequests
 from vllm_aio.migration.prefix import PrefixHasher
+from vllm_aio.shared.deployment import Deployment
+from vllm_aio.shared.keying import PoolKeying
 
 logger = get_logger(__name__)
 

@@ -25,12 +25,12 @@ from vllm_aio.backends import Backend, Status
 from vllm_aio.connector.block_io.base import BlockIO, CopyHandoff, chunks
 from vllm_aio.connector.block_io.blocks import BlockRef
 from vllm_aio.connector.block_io.labels import ValueLabels
-from vllm_aio.connector.staging import Slice, StagingBuffer
 from vllm_aio.connector.transfer import TransferThread
 from vllm_aio.device import Device
 from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Unit
+from vllm_aio.staging import Slice, StagingBuffer
 
 logger = get_logger(__name__)
 

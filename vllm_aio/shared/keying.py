@@ -17,9 +17,9 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vllm_aio.connector.deployment import Deployment
 from vllm_aio.pool.keys import BlockParts, Namespace, group_block_hashes
 from vllm_aio.pool.ownership import Ownership
+from vllm_aio.shared.deployment import Deployment
 
 
 @dataclass(frozen=True)

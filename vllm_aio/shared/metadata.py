@@ -29,7 +29,7 @@ class BlockTransfer:
     first_index: int  # position of block_ids[0] in the request: decides its owner rank
     retention: int = 0  # saves: the request's retention class (from its priority, ``priority_cutoffs``)
     # Saves: the blocks loaded in this step that the request's forward reads. If one of them
-    # fails to load, the KV the request computes is wrong and is not saved (``loads.StepLoads``).
+    # fails to load, the KV the request computes is wrong and is not saved (``connector/loads.py`` ``StepLoads``).
     reads: array = field(default_factory=lambda: array("i"))
 
     @classmethod
@@ -71,7 +71,7 @@ class BufferStep:
 
     resident: list[int] = field(default_factory=list)  # blocks holding K/V from before the step (loaded)
     written: list[int] = field(default_factory=list)  # blocks the step writes new K/V into (written back)
-    # Blocks kept on the device in every layer (``residency.py``): (block id, private slot). Never in
+    # Blocks kept on the device in every layer (``buffer/residency.py``): (block id, private slot). Never in
     # ``resident``; those in ``written`` are written back from their private place.
     pinned: list[tuple[int, int]] = field(default_factory=list)
     promoted: list[int] = field(default_factory=list)  # pinned blocks filled from the host copy this step
