@@ -6,12 +6,17 @@ failure, never a skip: a green CI run must mean the real thing ran.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import importlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -21,10 +26,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from engine_zygote import serves
 from vllm_aio.devtools.greedy import LOGPROB_TOLERANCE, NEAR_TIE, agreement
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = Path(__file__).resolve().parent / "engine_runner.py"
+ZYGOTE = RUNNER.parent / "engine_zygote.py"
 # Greedy logprobs of pool-served prompts match recompute to LOGPROB_TOLERANCE (by the dtype the
 # model ran in): the bytes are identical, only the kernels that consume them (prefill vs. the short
 # remaining chunk, decode vs. prefill) differ. Tests whose point is the connector's bytes across such
@@ -239,6 +246,72 @@ class LiveEngine:
         return text
 
 
+def _engine_env(spec: dict, env: dict[str, str] | None) -> dict[str, str]:
+    # vLLM picks its OpenMP thread count differently with and without a
+    # connector; a different count changes float rounding, so fix it (THREADS). The
+    # engine core runs in the runner's process, and at TP=1 its worker too: a
+    # process fewer to start, 4-13 s of a 25-38 s run here.
+    path = os.pathsep.join([str(ROOT), str(RUNNER.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0", **THREADS,
+            **(EAGER if spec.get("enforce_eager", True) else {}),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": path, **(env or {})}
+
+
+class ForkedEngine:
+    """An engine process the zygote forked, as much of ``subprocess.Popen`` as ``LiveEngine`` uses."""
+
+    def __init__(self, pid: int, rc_path: Path) -> None:
+        self.pid, self.rc_path, self.returncode = pid, rc_path, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.rc_path.exists():
+            self.returncode = int(self.rc_path.read_text())
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float = 30) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine {self.pid} did not exit")
+            time.sleep(0.02)
+        return self.returncode
+
+
+@dataclass
+class Zygote:
+    """``engine_zygote.py``, started once per test process with the engines' usual environment."""
+
+    proc: subprocess.Popen
+    spool: Path
+
+    def fork(self, argv: list[str], env: dict[str, str], log: Path) -> ForkedEngine:
+        name = uuid.uuid4().hex
+        log.touch()
+        _write_json(self.spool / f"{name}.json", {"argv": argv, "env": env, "log": str(log), "cwd": os.getcwd()})
+        pid_path = self.spool / f"{name}.pid"
+        deadline = time.monotonic() + 120
+        while not pid_path.exists():
+            assert self.proc.poll() is None, f"the engine zygote exited ({self.spool / 'zygote.log'})"
+            assert time.monotonic() < deadline, f"the engine zygote did not fork ({self.spool / 'zygote.log'})"
+            time.sleep(0.02)
+        return ForkedEngine(int(pid_path.read_text()), self.spool / f"{name}.rc")
+
+
+@functools.cache
+def _zygote() -> Zygote:
+    spool = Path(tempfile.mkdtemp(prefix="aio-zygote-"))
+    with open(spool / "zygote.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(ZYGOTE), str(spool)], env=_engine_env({}, None), stdout=log,
+                                stderr=subprocess.STDOUT)
+    atexit.register(shutil.rmtree, spool, ignore_errors=True)
+    atexit.register(proc.kill)  # atexit runs last in, first out: the kill first
+    return Zygote(proc, spool)
+
+
 def _write_json(path: Path, value: dict) -> None:
     """Whole or not at all: the engine polls for the name."""
     temporary = path.with_suffix(".tmp")
@@ -264,17 +337,14 @@ class Engine:
         spec_path.write_text(json.dumps(
             {"model": str(self.model), "kv_transfer_config": kv_transfer_config, "rounds_dir": str(directory), **spec}
         ))
-        # vLLM picks its OpenMP thread count differently with and without a
-        # connector; a different count changes float rounding, so fix it (THREADS). The
-        # engine core runs in the runner's process, and at TP=1 its worker too: a
-        # process fewer to start, 4-13 s of a 25-38 s run here.
-        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0", **THREADS,
-                    **(EAGER if spec.get("enforce_eager", True) else {}),
-                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": os.pathsep.join([str(ROOT), str(RUNNER.parent), *filter(None, [os.environ.get("PYTHONPATH")])]),
-                    **(env or {})}
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, str(RUNNER), str(spec_path), str(result_path)],
-                                    env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        full_env = _engine_env(spec, env)
+        argv = [str(spec_path), str(result_path)]
+        if serves(_engine_env({}, None), full_env):
+            proc = _zygote().fork(argv, full_env, log_path)
+        else:
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen([sys.executable, str(RUNNER), *argv], env=full_env, stdout=log,
+                                        stderr=subprocess.STDOUT)
         return LiveEngine(proc, directory, result_path, log_path)
 
     def run(self, rounds: list[list[list[int]]], kv_transfer_config: dict | None = None,

@@ -164,8 +164,11 @@ def _result(output, dtype: str) -> dict:
     }
 
 
-if __name__ == "__main__":
-    spec_path, result_path = sys.argv[1:3]
+def main(spec_path: str, result_path: str) -> None:
     with open(spec_path) as f:
         result = run(json.load(f))
     _write(Path(result_path), result)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, THREADS
+from conftest import EAGER, ROOT, THREADS
 
 TIMEOUT_S = 300  # per script, from its start (a guard against hangs)
 # script -> (what it needs beyond torch, the first column of a table it prints)
@@ -84,13 +84,15 @@ class Run:
 
     @classmethod
     def start(cls, script: str, out: Path, env: dict[str, str] | None = None) -> Run:
+        """The script's quick run; TorchDynamo off (``conftest.EAGER``): a smoke run's figures are
+        not read, and each engine's compile of vLLM's sampler took seconds on these two cores."""
         log = out / f"{script}.log"
         plot = ["--plot", str(out / f"{script}.png")] if script == PLOTTED else []
         with open(log, "w") as f:
             proc = subprocess.Popen(
                 [sys.executable, "-m", f"benchmarks.{script}", "--quick", "--json", str(out / f"{script}.json"),
                  *plot],
-                cwd=ROOT, env={**os.environ, **(env or {})}, stdout=f, stderr=subprocess.STDOUT,
+                cwd=ROOT, env={**os.environ, **EAGER, **(env or {})}, stdout=f, stderr=subprocess.STDOUT,
                 start_new_session=True)
         return cls(proc, log, out / f"{script}.json", time.monotonic() + TIMEOUT_S)
 

@@ -28,6 +28,7 @@ import json
 import random
 import time
 import urllib.request
+import uuid
 
 import pytest
 
@@ -79,14 +80,13 @@ def assert_every_shared_block_served(engine: Engine, cold: list[dict], warm: lis
 
 @pytest.mark.parametrize("mode", TRANSFER_MODES)
 def test_requests_sharing_a_prefix_in_one_step_all_load_it_from_the_embedded_pool(engine, together_baseline, mode):
-    # Private pools are named after the engine. Another test's engine may be
-    # starting meanwhile: its pool shows only until its scheduler attaches.
-    pools_before = set(glob.glob("/dev/shm/vllm_aio.engine-*"))
-    config = aio_config(local_pool_size="256MB", **TRANSFER_MODES[mode])
+    # A private pool is named after its engine's id (sealed once the scheduler attached: gone by its end).
+    engine_id = uuid.uuid4().hex
+    config = {**aio_config(local_pool_size="256MB", **TRANSFER_MODES[mode]), "engine_id": engine_id}
     cold, warm = engine.run([PROMPTS, PROMPTS], config, **TOGETHER)
     assert_every_shared_block_served(engine, cold, warm, together_baseline)
     deadline = time.monotonic() + 60
-    while (left := set(glob.glob("/dev/shm/vllm_aio.engine-*")) - pools_before) and time.monotonic() < deadline:
+    while (left := glob.glob(f"/dev/shm/vllm_aio.engine-{engine_id}*")) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, f"the private pool outlived its engine: {left}"
 
