@@ -3,9 +3,11 @@
 Values are keyed by a namespace that digests everything changing the meaning
 of the bytes (model, dtypes, block size, layout, parallel shape, salt), and
 every value's header repeats it (``pool/entry.py``). Instances whose blocks have
-another size cannot share a pool's fixed slots at all: they are refused at
-start. The test holds the pool between the instances, as a long-lived host
-process would (a pool is removed when its last process detaches).
+another size cannot share a pool's fixed slots at all: the pool refuses them
+at attach, naming ``local_pool_name`` (``tests/unit/test_host_pool.py``; that a
+refusal at start stops the engine with its message: ``test_e2e_mooncake.py``).
+The test holds the pool between the instances, as a long-lived host process
+would (a pool is removed when its last process detaches).
 """
 
 from __future__ import annotations
@@ -40,13 +42,3 @@ def test_instances_with_different_salts_on_one_named_pool_see_none_of_each_other
     assert engine.last_counters["hit_tokens"] == 0 and engine.last_counters["load_failures"] == 0
     assert holder.usage().num_ready == 2 * stored  # its own copy, under its own keys
     assert_same_generation(other, baseline["warm"])
-
-
-def test_an_instance_whose_blocks_have_another_size_is_refused_at_start_naming_local_pool_name(
-    engine, held_pool
-):
-    name, _ = held_pool
-    # 64-token blocks: twice the bytes per block of the 32-token instances the pool was made for.
-    with pytest.raises(AssertionError, match="engine failed"):
-        engine.run([PROMPTS["warm"][:1]], aio_config(local_pool_name=name), block_size=64)
-    assert "give instances with different models or parallelism different local_pool_name values" in engine.last_log

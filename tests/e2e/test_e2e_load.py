@@ -5,6 +5,8 @@ flight, so one step loads a prefix for some requests while it computes and
 saves it for others, and saves evict what earlier requests stored. Every
 output must equal a no-connector run of the same requests; /metrics must add
 up to what the requests saw; a shutdown must leave no process and no pool file.
+The embedded pool's and Mooncake's tests each take passes from one server
+(``LoadServer``): the load, then the same load under each fault in turn.
 
 Determinism: the model runs in float32 (``--dtype float32``). In bf16 the batch
 a request shares a step with changes its logprobs by up to ~0.03 and near ties
@@ -16,27 +18,27 @@ Tokens are compared up to the baseline's first near tie (top two within
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from conftest import EAGER, THREADS, aio_config
 from vllm_aio.devtools.load import SERVER_ENV, LoadMix, Outcome, compare, read_metrics, run_load, server_args
+from vllm_aio.devtools.mooncake_pool import MooncakePool
 from vllm_aio.devtools.serve import free_port, log_tail, vllm_server, wait_healthy
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.host_pool import SharedHostPool
 from vllm_aio.pool.inspect import snapshot
 from vllm_aio.pool.shm_file import SHM_DIR
 
-pytest_plugins = ["mooncake_fixtures"]
 
 MIX = LoadMix(num_requests=48, num_prefixes=6, prefix_tokens=(1024, 2048), tail_tokens=(16, 160), max_tokens=8,
               seed=14)
@@ -50,32 +52,61 @@ POOL_SIZE = "24MB"
 
 
 @dataclass
-class LoadRun:
+class LoadPass:
     outcomes: list[Outcome]
-    metrics: dict[str, float]
+    metrics: dict[str, float]  # what the pass added to the server's counters
+    log: str  # what the server logged during the pass
+
+
+@dataclass
+class Stopped:
     exit_code: int  # the server's, after SIGTERM
     group_left: bool  # a process of the server's group still alive after it exited
     log: str
-    seen: Any = None  # what ``before_stop`` returned
 
 
-def serve_load(model: Path, log_path: Path, kv_transfer_config: dict | None,
-               before_stop: Callable[[], Any] = lambda: None,
-               on_done: Callable[[int], None] | None = None) -> LoadRun:
-    """The load through a server of its own; ``on_done(n)`` runs as the n-th request completes."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    with vllm_server(str(model), port, log_path, server_args(CONCURRENCY), kv_transfer_config, ENV) as proc:
-        wait_healthy(proc, base, log_path, 300)
+class LoadServer:
+    """One ``vllm serve`` that takes the load pass after pass, then stops as a user stops it.
+
+    The tests of one configuration take their passes from one server (a module fixture), each
+    pass its own metrics and log, in the file's order; a later pass finds the earlier passes'
+    blocks in the pool, so its loads start at once."""
+
+    def __init__(self, model: Path, log_path: Path, kv_transfer_config: dict | None) -> None:
+        self.model, self.log_path = model, log_path
+        self.base = f"http://127.0.0.1:{free_port()}"
+        self._server = vllm_server(str(model), int(self.base.rsplit(":", 1)[1]), log_path, server_args(CONCURRENCY),
+                                   kv_transfer_config, ENV)
+        self.proc = self._server.__enter__()
+        self._metrics: dict[str, float] = {}
+        self._log_offset = 0
+        self.stopped: Stopped | None = None
+        wait_healthy(self.proc, self.base, log_path, 300)
+
+    def load(self, on_done: Callable[[int], None] | None = None) -> LoadPass:
+        """The load once; ``on_done(n)`` runs as the pass's n-th request completes."""
         done = iter(range(1, MIX.num_requests + 1))
-        outcomes = run_load(base, str(model), MIX.prompts(), CONCURRENCY, MIX.max_tokens, timeout=300,
+        outcomes = run_load(self.base, str(self.model), MIX.prompts(), CONCURRENCY, MIX.max_tokens, timeout=300,
                             on_done=None if on_done is None else lambda _: on_done(next(done)))
-        metrics = read_metrics(base)
-        seen = before_stop()
-        proc.send_signal(signal.SIGTERM)  # as a user stops it; the context kills what is left
-        exit_code = proc.wait(timeout=120)
-        group_left = _group_alive_after(proc.pid, seconds=15)
-    return LoadRun(outcomes, metrics, exit_code, group_left, log_path.read_text(errors="replace"), seen)
+        previous, self._metrics = self._metrics, read_metrics(self.base)
+        metrics = {name: value - previous.get(name, 0.0) for name, value in self._metrics.items()}
+        return LoadPass(outcomes, metrics, self._new_log())
+
+    def stop(self) -> Stopped:
+        if self.stopped is None:
+            self.proc.send_signal(signal.SIGTERM)  # as a user stops it; the context kills what is left
+            exit_code = self.proc.wait(timeout=120)
+            group_left = _group_alive_after(self.proc.pid, seconds=15)
+            self._server.__exit__(None, None, None)
+            self.stopped = Stopped(exit_code, group_left, self.log_path.read_text(errors="replace"))
+        return self.stopped
+
+    def _new_log(self) -> str:
+        with open(self.log_path, errors="replace") as log:
+            log.seek(self._log_offset)
+            text = log.read()
+            self._log_offset = log.tell()
+        return text
 
 
 def _group_alive_after(pgid: int, seconds: float) -> bool:
@@ -89,15 +120,25 @@ def _group_alive_after(pgid: int, seconds: float) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def load_server(model: Path, log_path: Path, kv_transfer_config: dict | None) -> Iterator[LoadServer]:
+    server = LoadServer(model, log_path, kv_transfer_config)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def baseline(tiny_model, tmp_path_factory) -> list[Outcome]:
-    run = serve_load(tiny_model, tmp_path_factory.mktemp("load-baseline") / "server.log", None)
-    assert [o.error for o in run.outcomes if o.error] == [], log_tail(Path(run.log))
+    with load_server(tiny_model, tmp_path_factory.mktemp("load-baseline") / "server.log", None) as server:
+        run = server.load()
+    assert [o.error for o in run.outcomes if o.error] == [], log_tail(server.log_path)
     assert len({tuple(o.token_ids) for o in run.outcomes}) > len(run.outcomes) // 2, "output does not vary"
     return run.outcomes
 
 
-def assert_load_served_exactly(run: LoadRun, baseline: list[Outcome], min_hit: float = 0.15) -> None:
+def assert_load_served_exactly(run: LoadPass, baseline: list[Outcome], min_hit: float = 0.15) -> None:
     """``min_hit``: the share of prompt tokens the pool must have served (none under faults).
 
     The share depends on timing: a request looked up while another still computes or
@@ -118,7 +159,6 @@ def assert_load_served_exactly(run: LoadRun, baseline: list[Outcome], min_hit: f
     assert cached == m["vllm:aio_hit_tokens_total"], m
     assert m["vllm:aio_failed_hit_tokens_total"] <= cached, m
     assert cached >= min_hit * prompt_tokens, (cached, prompt_tokens)
-    assert run.exit_code == 0 and not run.group_left, run.log[-3000:]
     print(f"\n{MIX.num_requests} requests: {result.compared} completed, {len(result.wrong)} wrong, longest wait for "
           f"a token {max(o.longest_gap_s for o in run.outcomes):.1f} s, pool hit tokens "
           f"{m['vllm:aio_hit_tokens_total']:.0f}, failed hit tokens {m['vllm:aio_failed_hit_tokens_total']:.0f}")
@@ -127,25 +167,31 @@ def assert_load_served_exactly(run: LoadRun, baseline: list[Outcome], min_hit: f
     assert not [line for line in ours if SENSITIVE.search(line)]
 
 
-def test_embedded_pool_serves_a_concurrent_shared_prefix_load_exactly_and_leaves_nothing(
-    tiny_model, tmp_path, baseline
-):
-    name = f"load-{uuid.uuid4().hex[:8]}"  # named, so the test can find what is left of it
-    config = aio_config(local_pool_size=POOL_SIZE, local_pool_name=name)
-    run = serve_load(tiny_model, tmp_path / "server.log", config, before_stop=lambda: snapshot(name).usage)
+def assert_stopped_cleanly(stopped: Stopped) -> None:
+    assert stopped.exit_code == 0 and not stopped.group_left, stopped.log[-3000:]
+
+
+def at(n: int, action: Callable[[], None]) -> Callable[[int], None]:
+    return lambda done: action() if done == n else None
+
+
+# ---- the embedded pool: the load, then headers overwritten under it, then the stop ----------
+EMBEDDED_POOL = f"load-{uuid.uuid4().hex[:8]}"  # named, so the tests can find what is left of it
+
+
+@pytest.fixture(scope="module")
+def embedded(tiny_model, tmp_path_factory) -> Iterator[LoadServer]:
+    config = aio_config(local_pool_size=POOL_SIZE, local_pool_name=EMBEDDED_POOL)
+    with load_server(tiny_model, tmp_path_factory.mktemp("load-embedded") / "server.log", config) as server:
+        yield server
+
+
+def test_embedded_pool_serves_a_concurrent_shared_prefix_load_exactly(embedded, baseline):
+    run = embedded.load()
     # Some hits may still fail: a lease puts a promised value last in its class, and a step whose
     # saves need more room than the rest of the pool evicts it too; those blocks are recomputed.
     assert_load_served_exactly(run, baseline)
-    assert run.seen.evictions > 0, run.seen  # the load turned the pool over
-    assert sorted(p.name for p in SHM_DIR.glob(f"*{name}*")) == []
-
-
-def test_mooncake_serves_a_concurrent_shared_prefix_load_exactly(tiny_model, tmp_path, baseline,
-                                                                 mooncake_pool_factory):
-    pool = mooncake_pool_factory(POOL_SIZE)
-    run = serve_load(tiny_model, tmp_path / "server.log", aio_config(backend="mooncake", **pool.config))
-    assert_load_served_exactly(run, baseline)
-    assert pool.alive()
+    assert snapshot(EMBEDDED_POOL).usage.evictions > 0  # the load turned the pool over
 
 
 # ---- faults during the load, one at a time ------------------------------------------------
@@ -153,48 +199,62 @@ def test_mooncake_serves_a_concurrent_shared_prefix_load_exactly(tiny_model, tmp
 # failed it), and the connector's log says what happened in one line.
 
 
-def at(n: int, action: Callable[[], None]) -> Callable[[int], None]:
-    return lambda done: action() if done == n else None
-
-
-def test_mooncake_master_killed_and_restarted_under_load_fails_no_request(
-    tiny_model, tmp_path, baseline, mooncake_pool_factory
-):
-    pool = mooncake_pool_factory(POOL_SIZE)
-    third = MIX.num_requests // 3
-    steps = {third: pool.kill_master, 2 * third: pool.restart_master}
-    run = serve_load(tiny_model, tmp_path / "server.log", aio_config(backend="mooncake", **pool.config),
-                     on_done=lambda done: steps[done]() if done in steps else None)
-    assert_load_served_exactly(run, baseline, min_hit=0)
-    assert "vllm_aio: pool lookup failed, treating as a miss" in run.log or "pool save failed" in run.log
-
-
-def test_mooncake_memory_owner_killed_under_load_fails_no_request(
-    tiny_model, tmp_path, baseline, mooncake_pool_factory
-):
-    pool = mooncake_pool_factory(POOL_SIZE)
-    run = serve_load(tiny_model, tmp_path / "server.log", aio_config(backend="mooncake", **pool.config),
-                     on_done=at(MIX.num_requests // 3, pool.kill_client))
-    assert_load_served_exactly(run, baseline, min_hit=0)
-
-
-def test_value_headers_overwritten_under_load_are_refused_and_recomputed(tiny_model, tmp_path, baseline):
-    name = f"load-{uuid.uuid4().hex[:8]}"
-
+def test_value_headers_overwritten_under_load_are_refused_and_recomputed(embedded, baseline):
     def scribble_headers() -> None:
-        usage = snapshot(name).usage
-        pool = SharedHostPool(name, usage.slot_size, usage.num_slots, create=False)
+        usage = snapshot(EMBEDDED_POOL).usage
+        pool = SharedHostPool(EMBEDDED_POOL, usage.slot_size, usage.num_slots, create=False)
         try:
             rows = pool._data.reshape(usage.num_slots, usage.slot_size)
             rows[:, :HEADER_BYTES] = 0xAB  # every value's header: no reader may accept it
         finally:
             pool.close()
 
-    config = aio_config(local_pool_size=POOL_SIZE, local_pool_name=name)
-    run = serve_load(tiny_model, tmp_path / "server.log", config, on_done=at(MIX.num_requests // 3, scribble_headers))
+    run = embedded.load(on_done=at(MIX.num_requests // 3, scribble_headers))
     assert_load_served_exactly(run, baseline, min_hit=0)
     assert run.metrics["vllm:aio_load_failures_total"] > 0
     assert "pool blocks could not be loaded" in run.log and "foreign" in run.log
+
+
+def test_embedded_pool_server_stops_cleanly_and_leaves_no_pool_file(embedded):
+    assert_stopped_cleanly(embedded.stop())
+    assert sorted(p.name for p in SHM_DIR.glob(f"*{EMBEDDED_POOL}*")) == []
+
+
+# ---- Mooncake: the load, the master killed and restarted under it, the memory owner killed --
+@pytest.fixture(scope="module")
+def load_pool(tmp_path_factory) -> Iterator[MooncakePool]:
+    """The Mooncake server's pool, of the module's own: its tests kill parts of it."""
+    from mooncake_fixtures import require_mooncake  # a plugin module elsewhere: imported late, as pytest wants
+
+    require_mooncake()
+    with MooncakePool(POOL_SIZE, log_dir=tmp_path_factory.mktemp("load-pool")) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def mooncake(tiny_model, tmp_path_factory, load_pool) -> Iterator[LoadServer]:
+    config = aio_config(backend="mooncake", **load_pool.config)
+    with load_server(tiny_model, tmp_path_factory.mktemp("load-mooncake") / "server.log", config) as server:
+        yield server
+
+
+def test_mooncake_serves_a_concurrent_shared_prefix_load_exactly(mooncake, baseline, load_pool):
+    assert_load_served_exactly(mooncake.load(), baseline)
+    assert load_pool.alive()
+
+
+def test_mooncake_master_killed_and_restarted_under_load_fails_no_request(mooncake, baseline, load_pool):
+    third = MIX.num_requests // 3
+    steps = {third: load_pool.kill_master, 2 * third: load_pool.restart_master}
+    run = mooncake.load(on_done=lambda done: steps[done]() if done in steps else None)
+    assert_load_served_exactly(run, baseline, min_hit=0)
+    assert "vllm_aio: pool lookup failed, treating as a miss" in run.log or "pool save failed" in run.log
+
+
+def test_mooncake_memory_owner_killed_under_load_fails_no_request(mooncake, baseline, load_pool):
+    run = mooncake.load(on_done=at(MIX.num_requests // 3, load_pool.kill_client))
+    assert_load_served_exactly(run, baseline, min_hit=0)
+    assert_stopped_cleanly(mooncake.stop())
 
 
 def test_a_worker_killed_under_load_fails_requests_with_an_error_and_hangs_none(tiny_model, tmp_path, baseline):
