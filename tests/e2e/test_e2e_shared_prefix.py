@@ -95,12 +95,24 @@ def mooncake(pool, **extra) -> dict:
     return aio_config(backend="mooncake", **pool.config, **extra)
 
 
+def until_stored(pool, keys: int) -> None:
+    """Wait for the cold round's puts (on the put thread, after its steps) to reach the master: a
+    warm round looking up before them would miss, on a loaded machine."""
+    deadline = time.monotonic() + 60
+    while pool_contents(pool)[0] < keys:
+        assert time.monotonic() < deadline, f"the master holds {pool_contents(pool)[0]} of {keys} keys"
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("mode", ["whole_blocks", "layerwise"])
 def test_requests_sharing_a_prefix_in_one_step_all_load_it_from_mooncake(
-    engine, together_baseline, mooncake_pool_factory, mode
+    engine, together_baseline, mooncake_pool_factory, tiny_model, mode
 ):
     pool = mooncake_pool_factory("512MB")
-    cold, warm = engine.run([PROMPTS, PROMPTS], mooncake(pool, **TRANSFER_MODES[mode]), **TOGETHER)
+    layers = json.loads((tiny_model / "config.json").read_text())["num_hidden_layers"]
+    keys = DISTINCT_BLOCKS * (layers if mode == "layerwise" else 1)
+    cold, warm = engine.run([PROMPTS, PROMPTS], mooncake(pool, **TRANSFER_MODES[mode]),
+                            between_rounds=lambda _: until_stored(pool, keys), **TOGETHER)
     assert_every_shared_block_served(engine, cold, warm, together_baseline)
 
 
@@ -109,7 +121,8 @@ def test_ranks_sharing_one_kv_head_store_one_copy_and_load_a_shared_prefix_for_e
 ):
     pool = mooncake_pool_factory("512MB")
     engine = Engine(tiny_1kv_model, tmp_path)
-    cold, warm = engine.run([PROMPTS, PROMPTS], mooncake(pool), **TOGETHER_TP2)
+    cold, warm = engine.run([PROMPTS, PROMPTS], mooncake(pool), between_rounds=lambda _: until_stored(pool, DISTINCT_BLOCKS),
+                            **TOGETHER_TP2)
     assert_output_varies(cold)
     assert_every_shared_block_served(engine, cold, warm, cold)  # the cold pass as reference: see conftest
     # One value per distinct block between the two ranks: the entry header, then the block's bytes.
