@@ -67,27 +67,27 @@ EAGER = {"TORCHDYNAMO_DISABLE": "1"}
 # Files not named here take seconds. The figures only order the files; stale ones cost balance,
 # never a test.
 CI_SECONDS = {
-    "test_e2e_pool.py": 520,  # with the session's no-connector baseline (the first file to ask computes it)
-    "test_e2e_load.py": 350,
-    "test_e2e_hybrid.py": 345,
-    "test_e2e_dynamic_buffer.py": 275,
-    "test_e2e_shared_prefix.py": 265,
-    "test_e2e_migration.py": 250,
-    "test_e2e_mooncake.py": 165,
-    "test_e2e_preemption.py": 135,
-    "test_e2e_isolation.py": 120,
-    "test_e2e_migration_priority.py": 120,
-    "test_e2e_tiered.py": 115,
-    "test_e2e_mooncake_config.py": 105,
+    "test_e2e_migration.py": 250,  # three servers
+    "test_e2e_load.py": 170,  # four servers
+    "test_e2e_migration_priority.py": 160,  # two servers and the router
+    "test_e2e_pool.py": 140,  # with the session's no-connector baseline (the first file to ask computes it)
     "test_e2e_migration_mooncake.py": 80,
-    "test_e2e_long_context.py": 70,
-    "test_e2e_mla.py": 55,
-    "test_e2e_kv_events.py": 55,
-    "test_e2e_amx.py": 55,
-    "test_endpoints.py": 45,  # a vllm serve
-    "test_demo.py": 30,
-    "test_registration.py": 30,
-    "test_pd_proxy.py": 30,
+    "test_e2e_shared_prefix.py": 80,
+    "test_e2e_hybrid.py": 55,
+    "test_e2e_dynamic_buffer.py": 45,
+    "test_e2e_isolation.py": 45,
+    "test_demo.py": 40,
+    "test_endpoints.py": 35,  # a vllm serve
+    "test_e2e_mooncake.py": 35,
+    "test_e2e_mooncake_config.py": 30,
+    "test_e2e_mla.py": 30,
+    "test_e2e_preemption.py": 30,
+    "test_e2e_tiered.py": 15,
+    "test_e2e_long_context.py": 15,
+    "test_e2e_kv_events.py": 15,
+    "test_e2e_amx.py": 10,
+    "test_registration.py": 10,
+    "test_pd_proxy.py": 10,
 }
 
 
