@@ -182,7 +182,7 @@ class LiveEngine:
         self.proc, self.directory, self.result_path, self.log_path = proc, directory, result_path, log_path
         self.rounds = 0
         self._totals: dict = {"aio": {}, "preemptions": 0, "recomputed_after_preemption": 0}
-        self._log_offset = 0
+        self._log_tail = LogTail(log_path)
         self.workers: list[dict] = []
 
     def round(self, prompts: list[list[int]], *, priorities: list[int] | None = None,
@@ -198,7 +198,7 @@ class LiveEngine:
                      {name: value - previous["aio"].get(name, 0) for name, value in reply["aio"].items()},
                      reply["preemptions"] - previous["preemptions"],
                      reply["recomputed_after_preemption"] - previous["recomputed_after_preemption"],
-                     self._new_log())
+                     self._log_tail.read_new())
 
     @property
     def log(self) -> str:
@@ -238,11 +238,18 @@ class LiveEngine:
                 raise TimeoutError(f"engine {what} timed out ({self.log_path})")
             time.sleep(0.02)
 
-    def _new_log(self) -> str:
-        with open(self.log_path, errors="replace") as log:
-            log.seek(self._log_offset)
+
+class LogTail:
+    """What a log file gained since the last read: a round's or a pass's lines."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, 0
+
+    def read_new(self) -> str:
+        with open(self.path, errors="replace") as log:
+            log.seek(self.offset)
             text = log.read()
-            self._log_offset = log.tell()
+            self.offset = log.tell()
         return text
 
 

@@ -112,10 +112,16 @@ def hash_block_size(kv_cache_config: Any, vllm_config: Any) -> int:
     return int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1])
 
 
+def records_kv_cache_layout(kv_cache_config: Any) -> bool:
+    """Whether the KV cache config records its layout (0.32), the same in every process."""
+    return hasattr(kv_cache_config, "kv_cache_layout")
+
+
 def kv_cache_layout(kv_cache_config: Any, vllm_config: Any) -> str:
     """The KV cache layout: 0.32 records it on the config; older versions derive it per process from
-    the current config (which the scheduler's process has not set when it builds the connector)."""
-    if hasattr(kv_cache_config, "kv_cache_layout"):
+    the current config and the attention backend the process chose. The scheduler's process chose
+    none, so it takes the workers' answer at start (``WorkerFacts``, through vLLM's handshake)."""
+    if records_kv_cache_layout(kv_cache_config):
         return str(kv_cache_config.kv_cache_layout)
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.utils import get_kv_cache_layout

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EAGER, THREADS, aio_config
+from conftest import EAGER, THREADS, LogTail, aio_config
 from vllm_aio.devtools.load import SERVER_ENV, LoadMix, Outcome, compare, read_metrics, run_load, server_args
 from vllm_aio.devtools.mooncake_pool import MooncakePool
 from vllm_aio.devtools.serve import free_port, log_tail, vllm_server, wait_healthy
@@ -79,7 +79,7 @@ class LoadServer:
                                    kv_transfer_config, ENV)
         self.proc = self._server.__enter__()
         self._metrics: dict[str, float] = {}
-        self._log_offset = 0
+        self._log_tail = LogTail(log_path)
         self.stopped: Stopped | None = None
         wait_healthy(self.proc, self.base, log_path, 300)
 
@@ -90,7 +90,7 @@ class LoadServer:
                             on_done=None if on_done is None else lambda _: on_done(next(done)))
         previous, self._metrics = self._metrics, read_metrics(self.base)
         metrics = {name: value - previous.get(name, 0.0) for name, value in self._metrics.items()}
-        return LoadPass(outcomes, metrics, self._new_log())
+        return LoadPass(outcomes, metrics, self._log_tail.read_new())
 
     def stop(self) -> Stopped:
         if self.stopped is None:
@@ -100,13 +100,6 @@ class LoadServer:
             self._server.__exit__(None, None, None)
             self.stopped = Stopped(exit_code, group_left, self.log_path.read_text(errors="replace"))
         return self.stopped
-
-    def _new_log(self) -> str:
-        with open(self.log_path, errors="replace") as log:
-            log.seek(self._log_offset)
-            text = log.read()
-            self._log_offset = log.tell()
-        return text
 
 
 def _group_alive_after(pgid: int, seconds: float) -> bool:

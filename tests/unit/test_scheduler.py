@@ -12,12 +12,14 @@ import pytest
 
 from vllm_aio.config import TransferMode
 from vllm_aio.backends import Backend, Status
+from vllm_aio.backends.settings import ConfigError
 from vllm_aio.shared.deployment import Deployment
 from vllm_aio.connector.leases import LEASE_MIN_SECONDS
 from vllm_aio.connector.scheduler import AioScheduler
 from vllm_aio.migration.flushes import FlushRequests
 from vllm_aio.pool.keys import Namespace, block_key
 from vllm_aio.pool.ownership import Ownership
+from vllm_aio.shared.metadata import WorkerFacts
 
 BS = 4
 
@@ -680,3 +682,31 @@ def test_a_lookup_from_beyond_what_was_found_asks_from_vllms_hit():
     store(backend, dep, req, 5)
     assert sched.get_num_new_matched_tokens(req, 12) == (8, False)  # vLLM now holds 3 blocks itself
     assert backend.asked == [5, 2]
+
+
+# ---- the workers' KV cache layout (vLLM < 0.32) ------------------------------
+def test_blocks_are_keyed_by_the_kv_layout_the_workers_report():
+    # The scheduler's process builds no attention layer: before vLLM 0.32 it derived the default
+    # layout where the workers' backend required another. Their stores are found under theirs.
+    dep, backend = deployment(), DictBackend()
+    workers = dataclasses.replace(dep, namespace=dataclasses.replace(dep.namespace, kv_layout="HND"))
+    req = Req("a", 20)
+    store(backend, workers, req, 4)
+    sched = AioScheduler(dep, backend)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.take_worker_facts([WorkerFacts(kv_layout="HND"), WorkerFacts(kv_layout="HND")])
+    assert sched.keying.namespace.kv_layout == "HND"
+    assert sched.get_num_new_matched_tokens(req, 0) == (16, False)
+
+
+def test_workers_reporting_no_layout_leave_the_derived_one():
+    dep = deployment()
+    sched = AioScheduler(dep, DictBackend())
+    sched.take_worker_facts([])
+    assert sched.keying.namespace == dep.namespace
+
+
+def test_workers_reporting_different_layouts_stop_the_start_naming_both():
+    sched = AioScheduler(deployment(), DictBackend())
+    with pytest.raises(ConfigError, match="KV cache layouts differ \\(HND, NHD\\)"):
+        sched.take_worker_facts([WorkerFacts(kv_layout="NHD"), WorkerFacts(kv_layout="HND")])

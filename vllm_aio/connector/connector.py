@@ -29,7 +29,7 @@ from vllm_aio.connector.vllm_events import SavedPartsEvents, to_vllm
 from vllm_aio.log import get_logger
 from vllm_aio.pool.ownership import Ownership
 from vllm_aio.shared.deployment import build_deployment
-from vllm_aio.shared.metadata import AioConnectorMetadata
+from vllm_aio.shared.metadata import AioConnectorMetadata, WorkerFacts
 
 if TYPE_CHECKING:
     import torch
@@ -69,6 +69,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: AioWorker | None = None
         self._migration = None
         self._amx: AmxPermission | None = None  # the worker's, on vLLM's CPU platform
+        self._facts: WorkerFacts | None = None  # the worker's, for the scheduler (get_handshake_metadata)
         self._num_blocks = kv_cache_config.num_blocks
         # vLLM's KV cache events (--kv-events-config): only an instance that saves has pool blocks to announce.
         events_config = vllm_config.kv_events_config
@@ -102,6 +103,9 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
 
             self._amx = _amx_for_cpu_attention()
             self._worker = AioWorker(dep, backend, Ownership(_topology(dep)), cfg, kv_events=kv_events)
+            if not vllm_compat.records_kv_cache_layout(kv_cache_config):
+                # Built after the model, so after its attention backend chose the KV cache layout.
+                self._facts = WorkerFacts(kv_layout=dep.namespace.kv_layout)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -167,6 +171,12 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
         done, _ = self._worker.get_finished()  # no failed requests before 0.32: hybrid models need it
         return None, done
 
+    def get_handshake_metadata(self) -> WorkerFacts | None:
+        """Asked of every worker once its KV cache is registered: what the scheduler keys by, where
+        vLLM's config does not say it (before 0.32). Behind vLLM's MultiConnector only the first
+        connector's answer travels: there, name NixlConnector before this one."""
+        return self._facts
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
 
@@ -198,6 +208,15 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Every worker's ``WorkerFacts``, once at start before any request (the pipeline stages'
+        arrive through ``set_xfer_handshake_metadata_pp_aware``). Another connector's payloads,
+        behind vLLM's MultiConnector, are not ours to read."""
+        self._scheduler.take_worker_facts(f for f in metadata.values() if isinstance(f, WorkerFacts))
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        self.set_xfer_handshake_metadata(dict(enumerate(metadata.values())))
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         self._scheduler.update_connector_output(

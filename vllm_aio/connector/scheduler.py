@@ -19,10 +19,11 @@ blocks are stored under its own keys, loaded and saved per group.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from vllm_aio.backends import Backend
+from vllm_aio.backends.settings import ConfigError
 from vllm_aio.buffer.planner import buffer_planner
 from vllm_aio.connector.events import KVEvents
 from vllm_aio.connector.leases import Leases
@@ -32,7 +33,8 @@ from vllm_aio.connector.save_plan import SavePlanner
 from vllm_aio.pool.keys import BlockParts
 from vllm_aio.shared.deployment import Deployment
 from vllm_aio.shared.keying import PoolKeying
-from vllm_aio.shared.metadata import AioConnectorMetadata
+from vllm_aio.log import get_logger
+from vllm_aio.shared.metadata import AioConnectorMetadata, WorkerFacts
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from vllm_aio.migration.flushes import FlushRequests
+
+logger = get_logger(__name__)
 
 
 class AioScheduler:
@@ -62,6 +66,18 @@ class AioScheduler:
     def parts(self) -> BlockParts:
         """What each block is stored as now (the weight version may change at runtime)."""
         return self.keying.parts
+
+    def take_worker_facts(self, facts: Iterable[WorkerFacts]) -> None:
+        """The workers' layout keys every block from the first request on: the namespace must name
+        the bytes the workers store, whatever this process derived (``WorkerFacts``)."""
+        layouts = sorted({f.kv_layout for f in facts})
+        if len(layouts) > 1:
+            raise ConfigError(f"vllm_aio: the workers' KV cache layouts differ ({', '.join(layouts)}); "
+                              "every rank must lay its KV cache out alike")
+        if layouts and layouts[0] != self.keying.namespace.kv_layout:
+            logger.info("vllm_aio: KV cache layout %s, as the workers' attention backend lays it out (this "
+                        "process derived %s): keys name %s", layouts[0], self.keying.namespace.kv_layout, layouts[0])
+            self.keying.set_kv_layout(layouts[0])
 
     # ---- lookup and admission ------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:

@@ -53,6 +53,10 @@ class PoolKeying:
         """
         self._keys = self._keys_of(dataclasses.replace(self._keys.namespace, weight_version=version))
 
+    def set_kv_layout(self, layout: str) -> None:
+        """Key under the KV cache layout the workers report (``WorkerFacts``), at start."""
+        self._keys = self._keys_of(dataclasses.replace(self._keys.namespace, kv_layout=layout))
+
     def group_hashes(self, block_hashes: Sequence[bytes], group: int) -> list[bytes]:
         """The hashes KV cache group ``group``'s blocks are stored under."""
         return group_block_hashes(block_hashes, self._groups[group])

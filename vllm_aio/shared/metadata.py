@@ -91,3 +91,15 @@ class AioConnectorMetadata:
     # The key namespace of this step's loads and saves: it changes at runtime
     # with the weight version (``PoolKeying.set_weight_version``).
     namespace_digest: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerFacts:
+    """What a worker knows once its model is built and the scheduler's process cannot derive: sent
+    once at start, through vLLM's connector handshake (``get_handshake_metadata`` on each worker,
+    ``set_xfer_handshake_metadata`` on the scheduler), before any request is scheduled."""
+
+    # The KV cache layout its attention backend required ("NHD", "HND"). Before vLLM 0.32 the
+    # config does not record it, and the scheduler's process, which builds no attention layer,
+    # derives the default where a backend asked for another (CPU attention and FlashInfer: HND).
+    kv_layout: str
