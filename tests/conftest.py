@@ -215,7 +215,7 @@ class LiveEngine:
         if self.proc.poll() is None:
             (self.directory / "stop").touch()
             try:
-                self._wait(lambda: False, timeout, "shutdown")
+                self._wait(lambda: False, timeout, "shutdown", exit_expected=True)
             finally:
                 self.kill()
         assert self.proc.returncode == 0, f"engine failed ({self.log_path}):\n{self.log[-4000:]}"
@@ -226,11 +226,11 @@ class LiveEngine:
             self.proc.kill()
         self.proc.wait()
 
-    def _wait(self, done: Callable[[], bool], timeout: float, what: str) -> None:
+    def _wait(self, done: Callable[[], bool], timeout: float, what: str, exit_expected: bool = False) -> None:
         deadline = time.monotonic() + timeout
         while not done():
             if self.proc.poll() is not None:
-                if what == "shutdown":
+                if exit_expected:
                     return
                 raise AssertionError(f"engine failed ({self.log_path}):\n{self.log[-4000:]}")
             if time.monotonic() > deadline:

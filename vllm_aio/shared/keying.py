@@ -51,11 +51,14 @@ class PoolKeying:
 
         The workers follow with the next step's metadata (``namespace_digest``).
         """
-        self._keys = self._keys_of(dataclasses.replace(self._keys.namespace, weight_version=version))
+        self._rekey(weight_version=version)
 
     def set_kv_layout(self, layout: str) -> None:
         """Key under the KV cache layout the workers report (``WorkerFacts``), at start."""
-        self._keys = self._keys_of(dataclasses.replace(self._keys.namespace, kv_layout=layout))
+        self._rekey(kv_layout=layout)
+
+    def _rekey(self, **changes: str) -> None:
+        self._keys = self._keys_of(dataclasses.replace(self._keys.namespace, **changes))
 
     def group_hashes(self, block_hashes: Sequence[bytes], group: int) -> list[bytes]:
         """The hashes KV cache group ``group``'s blocks are stored under."""
