@@ -11,13 +11,15 @@ token.
 
 spec: {"model", "max_model_len", "enable_prefix_caching", "kv_transfer_config",
        "max_num_batched_tokens", "tensor_parallel_size", "distributed_executor_backend",
-       "warmup": [ids]}, and where given vLLM's "load_format", "dtype", "max_num_seqs",
-       "gpu_memory_utilization", "kv_cache_memory_bytes"
+       "warmup": [ids], "warmup_at_start": bool (default true), "enforce_eager": bool (default true)},
+       and where given vLLM's "load_format", "dtype", "max_num_seqs", "gpu_memory_utilization",
+       "kv_cache_memory_bytes"
 stdin: one JSON command per line: {"label": str, "prompt": [ids]} (or [[ids], ...]: prompts sent
        together; "reset_prefix_cache": true empties vLLM's prefix cache first, untimed) or
        {"exit": true}
 RESULT_FD: one JSON line per event: {"ready": true, "init_s", "warmup": step}
-           after start and the warm-up request, then one step per command:
+           after start and the warm-up request ("warmup": null without it: the first request is then
+           the first command's), then one step per command:
            {"label", "prompt_len", "cached", "wall_s", "ttft_s", "engine_s"} (and "reset": whether
            vLLM emptied its prefix cache, when asked), and on exit {"exit": true, "aio": {counter: value}}.
 
@@ -73,7 +75,7 @@ def serve(spec_path: str, result_fd: int) -> None:
         spec["model"],
         max_model_len=spec["max_model_len"],
         block_size=BLOCK_SIZE,
-        enforce_eager=True,
+        enforce_eager=spec.get("enforce_eager", True),
         enable_prefix_caching=spec["enable_prefix_caching"],
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192),
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
@@ -104,7 +106,7 @@ def serve(spec_path: str, result_fd: int) -> None:
                 "wall_s": wall, "ttft_s": ttft if ttft > 0 else wall, "engine_s": engine,
                 "t": time.time()}
 
-    warmup = step("warmup", spec["warmup"])
+    warmup = step("warmup", spec["warmup"]) if spec.get("warmup_at_start", True) else None
     results.write(json.dumps({"ready": True, "init_s": init_s, "warmup": warmup}) + "\n")
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -30,6 +30,11 @@ order rotated round by round (so the host's drift reaches every system alike), o
 After the rounds each system gets ``--batch`` warm requests at once (the last round's prefix, a suffix
 each; the connectors' prefix cache emptied first): requests/s is their count over the batch's wall time.
 
+Before the rounds, once every engine is up, each system gets its first request, a 64-token prompt of
+its own, one system at a time: what start-up left to a request (compiling, mapping the pool, the first
+save) shows there, against vLLM alone's. The engines run as deployments do: CUDA graphs at vLLM's
+defaults (eager on vLLM's CPU build).
+
 TTFT is vLLM's own first-token latency (arrival to first token); the table gives medians over
 ``--repeats`` rounds and ratios of those medians. The link floor of a prefix length is the KV of the
 prefix's full blocks over the pinned host-to-device bandwidth, measured in this run (one copy of that
@@ -217,12 +222,14 @@ class Bench:
         self.samples = {s.name: {n: {"cold": [], "warm": [], "batch": None} for n in sizes.prefixes}
                         for s in systems}
         self.settle_prompts = make_prompts(5, [16] * SETTLE_STEPS)  # under a block: they store nothing
+        self.first: dict[str, dict] = {}  # each system's first request after start
 
     def start(self) -> None:
         # At most the batch runs at once: a few sequences keep the sampler's start-up buffers small.
         spec = {"load_format": "dummy", "dtype": "bfloat16", "gpu_memory_utilization": self.args.gpu_share,
                 "kv_cache_memory_bytes": self.sizes.device_kv_bytes, "max_num_seqs": max(self.args.batch, 2),
-                "max_num_batched_tokens": self.args.max_num_batched_tokens}
+                "max_num_batched_tokens": self.args.max_num_batched_tokens,
+                "enforce_eager": self.args.eager, "warmup_at_start": False}
         for s in self.systems:
             self.live[s.name] = self.engines.start(s.name, kv_transfer_config(s, self.sizes),
                                                    prefix_caching=s.prefix_caching, **spec)
@@ -232,6 +239,9 @@ class Bench:
                 print(f"  {name}: ready after {r['start_s']:.0f}s (LLM init {r['init_s']:.0f}s)", flush=True)
             except EngineFailed as exc:
                 self.failed(name, exc)
+        for i, s in enumerate(self.systems):  # one at a time, every engine idle: set-up costs alone
+            if step := self.ask(s, "first", make_prompts(20_000 + i, [64])[0]):
+                self.first[s.name] = step
 
     def failed(self, name: str, exc: EngineFailed) -> None:
         """The system is out of the run (its cells read FAIL); the others go on."""
@@ -347,8 +357,11 @@ def tabulate(bench: Bench) -> tuple[list[dict], list[dict]]:
                  for s in bench.systems}
         floors.append(floor := floor_of(n, bench.sizes, bench.copy_GBps[n], cells))
         base = {b: cells[b]["warm_ms"] for b in BASELINES if b in cells and usable(cells[b])}
+        alone_cold = cells.get("prefix-cache", {}).get("cold_ms")
         for s in bench.systems:
             cell = cells[s.name]
+            if alone_cold and cell.get("cold_ms") and s.from_host:
+                cell["cold_ratio"] = cell["cold_ms"] / alone_cold
             if usable(cell):
                 cell["ratios"] = {b: cell["warm_ms"] / ms for b, ms in base.items() if b != s.name}
                 if s.from_host and floor["floor_ms"]:
@@ -369,10 +382,10 @@ def print_tables(rows: list[dict], floors: list[dict], title: str) -> None:
     def ratio(r: dict, base: str) -> str:
         return fig(r, r.get("ratios", {}).get(base), ".3f")
 
-    head = ["prefix tokens", "system", "cold ms", "warm ms", "cached", "/recompute", "/prefix cache",
-            "/offloading", "x floor", "req/s"]
+    head = ["prefix tokens", "system", "cold ms", "cold / vLLM", "warm ms", "cached", "/recompute",
+            "/prefix cache", "/offloading", "x floor", "req/s"]
     print_markdown(head, [[str(r["prefix_tokens"]), r["system"], fig(r, r.get("cold_ms"), ".1f", None),
-                           fig(r, r.get("warm_ms"), ".1f"), fig(r, r.get("cached_min"), "d", None),
+                           fig(r, r.get("cold_ratio"), ".2f", None), fig(r, r.get("warm_ms"), ".1f"), fig(r, r.get("cached_min"), "d", None),
                            *(ratio(r, b) for b in BASELINES), fig(r, r.get("x_floor"), ".2f"),
                            fig(r, r.get("req_per_s"), ".2f", "batch_miss")] for r in rows],
                    left=2, title=title)
@@ -387,10 +400,10 @@ def print_tables(rows: list[dict], floors: list[dict], title: str) -> None:
                                  "tokens (prefix-cache's warm TTFT)")
 
 
-def print_first_requests(engines: list[dict]) -> None:
-    """Each engine's first request after start (its warm-up prompt, a short cold one): what set-up left
+def print_first_requests(steps: dict[str, dict]) -> None:
+    """Each engine's first request after start (a short cold prompt, every engine idle): what set-up left
     for a request (compiling kernels, mapping the pool) shows here, against vLLM alone's."""
-    first = {e["engine"]: e["warmup"]["ttft_s"] * 1e3 for e in engines if e.get("warmup")}
+    first = {name: step["ttft_s"] * 1e3 for name, step in steps.items()}
     alone = first.get("recompute")
     print_markdown(["system", "first request ms", "/ vLLM alone (recompute)"],
                    [[name, f"{ms:.1f}", f"{ms / alone:.2f}" if alone else "-"] for name, ms in first.items()],
@@ -474,6 +487,7 @@ def main() -> int:
         print("no system left to run")
         return 1
     copy_GBps = {n: link["copies"][sizes.hit_bytes(n)]["h2d_GBps"] for n in prefixes}
+    args.eager = link["device_type"] == "cpu"  # graphs on accelerators, as deployments run
     workdir = Path(tempfile.mkdtemp(prefix="vllm_aio_gpu_ttft_"))
     bench = Bench(systems, sizes, copy_GBps, args, model_dir, workdir)
     try:
@@ -488,14 +502,14 @@ def main() -> int:
                                f"{args.suffix_tokens} tokens: medians of {args.repeats} rounds; warm / "
                                "baseline's warm; x floor: warm / link floor; req/s: a batch of "
                                f"{args.batch} warm requests")
-    print_first_requests(bench.engines.info)
+    print_first_requests(bench.first)
     problems = problems_of(rows, bench.errors, bench.engines.info)
     write_results(args.json, "gpu_ttft", started, versions={**info, "torch": link["torch"], "cuda": link["cuda"]},
                   device=link["device"], link=link["copies"],
                   sizes={**asdict(sizes), "max_model_len": sizes.max_model_len,
                          "device_kv_bytes": sizes.device_kv_bytes, "host_tier_bytes": sizes.host_tier_bytes},
                   systems=[s.name for s in systems], rows=rows, floors=floors, samples=bench.samples,
-                  errors=bench.errors, engines=bench.engines.info, problems=problems)
+                  first=bench.first, errors=bench.errors, engines=bench.engines.info, problems=problems)
     return exit_code(problems)
 
 

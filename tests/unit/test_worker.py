@@ -25,6 +25,8 @@ from vllm_aio.shared.metadata import AioConnectorMetadata, BlockTransfer, Lookup
 LAYERS, NUM_BLOCKS, PAGE = ("l0", "l1"), 16, (2, 4, 8)  # [blocks, heads, tokens, channels]
 PAGE_BYTES = 2 * 4 * 8 * 2
 VALUE_BYTES = HEADER_BYTES + PAGE_BYTES * len(LAYERS)
+# A guard against a hang only: every wait is answered within milliseconds when the code is right.
+HANG_GUARD = 30.0
 
 
 def kv_caches(seed: int) -> dict[str, torch.Tensor]:
@@ -96,6 +98,51 @@ def test_preempted_blocks_are_out_of_the_cache_when_handle_preemptions_returns(m
     assert forward(loader, AioConnectorMetadata(loads=[transfer([9, 10, 11])])) == set()
     for name in LAYERS:
         assert torch.equal(loaded[name][9:12], original[name][3:6])
+
+
+def _hold_copies(worker: AioWorker, monkeypatch) -> threading.Event:
+    """The worker's saves stay in their copy out of the cache until the returned event is set."""
+    release, save = threading.Event(), worker._io._save
+
+    def held(*args):
+        release.wait(HANG_GUARD)
+        return save(*args)
+
+    monkeypatch.setattr(worker._io, "_save", held)
+    return release
+
+
+def _returns_while_held(hook, release: threading.Event) -> bool:
+    """Whether ``hook`` returns while the copies are held (then they are released)."""
+    call = threading.Thread(target=hook)
+    call.start()
+    call.join(0.3)
+    returned = not call.is_alive()
+    release.set()
+    call.join(HANG_GUARD)
+    assert not call.is_alive()
+    return returned
+
+
+@pytest.mark.parametrize("mode", ["whole_blocks", "layerwise"])
+def test_a_steps_copy_out_of_the_cache_is_waited_for_at_the_next_steps_start(make_worker, monkeypatch, mode):
+    """vLLM's runners open every step with handle_preemptions, before they zero or write a block:
+    the step that computed a prompt returns its token while its blocks are being copied out."""
+    worker, backend = make_worker(transfer_mode=mode)
+    release = _hold_copies(worker, monkeypatch)
+    worker.handle_preemptions(AioConnectorMetadata())
+    forward(worker, AioConnectorMetadata(saves=[transfer([3, 4])]))  # returns, the copies held
+    assert not _returns_while_held(lambda: worker.handle_preemptions(AioConnectorMetadata()), release)
+    worker.drain()
+    assert backend.pool.usage().num_ready == 2 * (len(LAYERS) if mode == "layerwise" else 1)
+
+
+def test_without_handle_preemptions_wait_for_save_waits_for_the_copy_out_of_the_cache(make_worker, monkeypatch):
+    """A runner that never calls handle_preemptions gets no later point to wait at."""
+    worker, _ = make_worker()
+    release = _hold_copies(worker, monkeypatch)
+    meta = AioConnectorMetadata(saves=[transfer([3, 4])])
+    assert not _returns_while_held(lambda: worker.wait_for_save(meta), release)
 
 
 class _RetentionRecorder(LocalBackend):
@@ -414,8 +461,6 @@ def gated_backend() -> _GatedBackend:
     return _GatedBackend(f"w-{uuid.uuid4().hex[:8]}", 1 << 20, HEADER_BYTES + PAGE_BYTES, seal=True)
 
 
-# A guard against a hang only: every wait below is answered within milliseconds when the code is right.
-HANG_GUARD = 30.0
 
 
 def test_layerwise_transfers_overlap_the_layers_compute(make_worker):

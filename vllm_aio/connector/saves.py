@@ -5,12 +5,17 @@
 * ``LayerwiseSaves``: a *store* generator hands layer i's blocks to the
   sending thread right after the layer's attention (``after_layer``).
 
-Either way ``wait_for_save`` then waits (bounded by ``transfer_timeout``)
+Either way the forward thread then waits (bounded by ``transfer_timeout``)
 until the sending thread has copied the step's blocks out of the cache, so
-vLLM may free or reuse them; the pool puts go on in the background from
-staging, on a thread of their own (``block_io/staging_save.py``), and a save
-they cannot keep up with is dropped, not waited for. A failed or dropped save
-is counted and logged once per kind; the request goes on.
+vLLM may free or reuse them. Where the model runner opens every step with
+``handle_preemptions`` (vLLM's GPU and CPU runners: before it zeroes, copies
+or writes any block), that wait is there, at the next step's start, and
+``wait_for_save`` returns at once: the step that computed a prompt hands back
+its token while its blocks are still being copied out. Until a runner is seen
+calling it, ``wait_for_save`` waits. The pool puts go on in the background
+from staging, on a thread of their own (``block_io/staging_save.py``), and a
+save they cannot keep up with is dropped, not waited for. A failed or dropped
+save is counted and logged once per kind; the request goes on.
 
 A request that read a block whose load failed in the step computed wrong KV
 there (``StepLoads``): its blocks of that step are left out of the save, and
@@ -55,15 +60,24 @@ class Saves:
         self._timeout = timeout
         self._step_loads = step_loads
         self._settled = settled  # with KV events: what this rank's saves left in the pool
-        self._handoffs: list[CopyHandoff] = []  # this step's, forward thread only
+        self._handoffs: list[CopyHandoff] = []  # not waited for yet, forward thread only
+        self._runner_opens_steps = False  # handle_preemptions seen: the copies are waited for at the next step
         self._failures_logged: set[Status] = set()
 
     def after_layer(self, layer_name: str, meta: AioConnectorMetadata) -> None:
         """Right after the layer's attention wrote its KV."""
 
-    def end_step(self, meta: AioConnectorMetadata) -> None:
-        """``wait_for_save``: returns once the step's blocks are out of the cache."""
+    def open_step(self) -> None:
+        """``handle_preemptions``, first in the step: returns once the previous steps' blocks are
+        out of the cache (this step may zero or write them)."""
+        self._runner_opens_steps = True
         self._wait_copied()
+
+    def end_step(self, meta: AioConnectorMetadata) -> None:
+        """``wait_for_save``: returns once the step's blocks are out of the cache, or at once where
+        the next step's ``open_step`` waits for that."""
+        if not self._runner_opens_steps:
+            self._wait_copied()
 
     def rescue(self, transfers: list[BlockTransfer]) -> None:
         """Every unit of these blocks handed to the sending thread at once; returns

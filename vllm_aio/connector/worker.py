@@ -10,12 +10,13 @@ cache is registered, by choosing three participants:
   each layer right after its attention;
 * the dynamic buffer's hooks (``buffer/participant.py``), or none.
 
-vLLM's hooks per step, in order: ``handle_preemptions`` (blocks of requests
-preempted at this step's scheduling copied out), ``bind_connector_metadata`` (``begin_step``:
+vLLM's hooks per step, in order: ``handle_preemptions`` (the previous step's
+saves done copying out of the cache, blocks of requests preempted at this
+step's scheduling copied out), ``bind_connector_metadata`` (``begin_step``:
 loads that the buffer needs, then the buffer's first layers),
 ``start_load_kv``, per layer ``wait_for_layer_load`` and ``save_kv_layer``,
-``wait_for_save`` (the buffer's write-backs, then saves copied out of the
-cache), then ``get_finished`` and ``get_block_ids_with_load_errors``. The
+``wait_for_save`` (the buffer's write-backs, then saves handed to the sending
+thread; their copies out of the cache are waited for at the next step's start), then ``get_finished`` and ``get_block_ids_with_load_errors``. The
 copies themselves are ``block_io/``'s.
 """
 
@@ -111,8 +112,10 @@ class AioWorker:
 
     # ---- vLLM's hooks, in step order -------------------------------------------
     def handle_preemptions(self, meta: AioConnectorMetadata) -> None:
-        """First in the step, before vLLM zeroes or writes any block: the blocks of
-        requests preempted at its scheduling are copied out (they may be another's now)."""
+        """First in the step, before vLLM zeroes or writes any block: the previous step's saves
+        finish their copies out of the cache, then the blocks of requests preempted at this
+        step's scheduling are copied out (they may be another's now)."""
+        self._saves.open_step()
         if meta.rescues:
             self._saves.rescue(meta.rescues)
 
