@@ -13,12 +13,10 @@ decode steps (``max_tokens``) carry them.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 
-from conftest import aio_config, make_prompts, require
+from conftest import aio_config, make_prompts
+from kv_event_subscriber import Subscriber, ours, removed_hashes, stored_hashes
 
 BLOCK = 32
 POOL_SLOTS = 8  # values of one block (the tiny model at TP=1 stores one per block)
@@ -34,64 +32,11 @@ def _value_bytes(model) -> int:
     return HEADER_BYTES + cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * BLOCK * 2
 
 
-class Subscriber:
-    """Collects the events of every batch published to its loopback SUB socket."""
-
-    def __init__(self) -> None:
-        zmq = require("zmq")
-        from msgspec.msgpack import Decoder
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.endpoint = f"tcp://127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self._decode = Decoder(type=KVEventBatch).decode
-        self._zmq = zmq
-        self.events: list = []
-        self._lock = threading.Lock()
-        self._running = True
-        self._thread = threading.Thread(target=self._receive, daemon=True)
-        self._thread.start()
-
-    def _receive(self) -> None:
-        while self._running:
-            if self._sock.poll(100):
-                _topic, _seq, payload = self._sock.recv_multipart()
-                with self._lock:
-                    self.events.extend(self._decode(payload).events)
-
-    def wait_for(self, condition, timeout: float = 20.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                if condition(list(self.events)):
-                    return True
-            time.sleep(0.05)
-        return False
-
-    def close(self) -> None:
-        self._running = False
-        self._thread.join()
-        self._sock.close(linger=0)
-
-
 @pytest.fixture
 def subscriber():
     sub = Subscriber()
     yield sub
     sub.close()
-
-
-def _ours(events, kind: str) -> list:
-    return [e for e in events if type(e).__name__ == kind and e.medium == "LOCAL_POOL"]
-
-
-def _stored_hashes(events) -> list:
-    return [h for e in _ours(events, "BlockStored") for h in e.block_hashes]
-
-
-def _removed_hashes(events) -> set:
-    return {h for e in _ours(events, "BlockRemoved") for h in e.block_hashes}
 
 
 def test_pool_blocks_are_published_stored_then_removed_after_eviction(engine, subscriber, tiny_model):
@@ -100,10 +45,10 @@ def test_pool_blocks_are_published_stored_then_removed_after_eviction(engine, su
 
     def between_rounds(i: int) -> None:
         if i == 1:  # the first prompt's four blocks are in the pool
-            assert subscriber.wait_for(lambda ev: len(_stored_hashes(ev)) >= 4), subscriber.events
-            announced.extend(_stored_hashes(subscriber.events))
+            assert subscriber.wait_for(lambda ev: len(stored_hashes(ev)) >= 4), subscriber.events
+            announced.extend(stored_hashes(subscriber.events))
         else:  # the filler's blocks are in the pool, and evicted the first prompt's
-            done = lambda ev: len(_stored_hashes(ev)) >= 4 + POOL_SLOTS and set(announced) <= _removed_hashes(ev)
+            done = lambda ev: len(stored_hashes(ev)) >= 4 + POOL_SLOTS and set(announced) <= removed_hashes(ev)
             assert subscriber.wait_for(done), subscriber.events
 
     config = aio_config(local_pool_size=POOL_SLOTS * _value_bytes(tiny_model))
@@ -111,7 +56,7 @@ def test_pool_blocks_are_published_stored_then_removed_after_eviction(engine, su
         [[first], [filler], [last]], config, between_rounds=between_rounds, max_tokens=8,
         kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": subscriber.endpoint},
     )
-    stored = _ours(subscriber.events, "BlockStored")
+    stored = ours(subscriber.events, "BlockStored")
     first_stored = [e for e in stored if set(e.block_hashes) <= set(announced)]
     assert len(announced) == len(set(announced)) == 4, "one BlockStored per block"
     tokens = [t for e in first_stored for t in e.token_ids]
@@ -119,4 +64,4 @@ def test_pool_blocks_are_published_stored_then_removed_after_eviction(engine, su
     assert first_stored[0].parent_block_hash is None
     assert all(e.block_size == BLOCK and e.lora_name is None for e in stored)
     # Every filler block was announced once too (the pool holds POOL_SLOTS blocks).
-    assert len(_stored_hashes(subscriber.events)) == len(set(_stored_hashes(subscriber.events))) == 4 + POOL_SLOTS
+    assert len(stored_hashes(subscriber.events)) == len(set(stored_hashes(subscriber.events))) == 4 + POOL_SLOTS

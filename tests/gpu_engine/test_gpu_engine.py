@@ -32,6 +32,9 @@ import pytest
 
 from vllm_aio.config import transfer_mode_of
 from conftest import Engine, aio_config, assert_output_varies, assert_same_generation, make_prompts
+from kv_event_subscriber import Subscriber, ours
+from mooncake_fixtures import missing_prerequisite
+from vllm_aio.devtools.mooncake_pool import MooncakePool
 
 BLOCK = 16  # FlashAttention's block size, and the 16n+1 prompts of the FULL-graph case
 VOCAB = 8192  # the medium model's
@@ -161,7 +164,32 @@ def _both(name: str, mode: str, *specs: dict) -> Run:
                _cached(RESET, *specs))
 
 
-def _plan(model: Path) -> list[Run]:
+# KV events: the cold rounds' prompts stored and announced; a last round of no full block keeps the
+# engine stepping while the last prompts' saves settle (their events travel with later steps).
+EVENT_ROUNDS = COLD_ROUNDS[:2] + [make_prompts(18, [BLOCK - 3], VOCAB)]
+
+
+def _events_run(endpoint: str) -> Run:
+    events = {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}}
+    return Run("kv-events", EVENT_ROUNDS, aio_config(local_pool_size="2GB"), _cached(events))
+
+
+def _full_blocks(prompts: list[list[int]]) -> list[tuple[int, ...]]:
+    return sorted(tuple(p[i : i + BLOCK]) for p in prompts for i in range(0, len(p) - BLOCK + 1, BLOCK))
+
+
+def _tiered_pair(mooncake: dict) -> Run:
+    """Node A stores through the tiered store (its local pool, then Mooncake in the background, flushed
+    as it exits); node B, a local pool of its own, hits Mooncake: the staged path on the GPU."""
+    def node(role: str, name: str) -> dict:
+        return aio_config(role, backend="tiered", remote_backend="mooncake", **mooncake,
+                          local_pool_name=f"gpu-tiered-{name}-{uuid.uuid4().hex[:6]}", local_pool_size="2GB")
+
+    consumer = Run("tiered-consumer", WARM_ROUNDS, node("kv_consumer", "b"), _cached(RESET))
+    return Run("tiered-producer", COLD_ROUNDS, node("kv_producer", "a"), _cached(), then=consumer)
+
+
+def _plan(model: Path, events_endpoint: str, mooncake: dict | None) -> list[Run]:
     return [
         _pair("whole_blocks", model),
         _pair("layerwise", model),
@@ -175,6 +203,8 @@ def _plan(model: Path) -> list[Run]:
         _both("dynamic_buffer", "dynamic_buffer", {"kv_cache_memory_bytes": 256 << 20}),
         Run("preemption-vllm", [PREEMPTION_PROMPTS], None, PREEMPTION),
         Run("preemption-aio", [PREEMPTION_PROMPTS], aio_config(local_pool_size="1GB"), PREEMPTION),
+        _events_run(events_endpoint),
+        *([_tiered_pair(mooncake)] if mooncake else []),
     ]
 
 
@@ -195,11 +225,21 @@ def gpu_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(gpu_model: Path, tmp_path_factory) -> dict[str, dict]:
     workdir = tmp_path_factory.mktemp("engines")
-    plan = _plan(gpu_model)
-    results: dict[str, dict] = {}
-    with ThreadPoolExecutor(int(os.environ.get("AIO_GPU_ENGINES", "5"))) as pool:
-        for done in [pool.submit(run.execute, gpu_model, workdir) for run in plan]:
-            results.update(done.result())
+    subscriber = Subscriber()
+    mooncake = None if missing_prerequisite() else MooncakePool("3GB", log_dir=workdir / "mooncake").start()
+    try:
+        plan = _plan(gpu_model, subscriber.endpoint, mooncake.config if mooncake else None)
+        results: dict[str, dict] = {}
+        with ThreadPoolExecutor(int(os.environ.get("AIO_GPU_ENGINES", "5"))) as pool:
+            for done in [pool.submit(run.execute, gpu_model, workdir) for run in plan]:
+                results.update(done.result())
+        stored = len(_full_blocks([p for r in EVENT_ROUNDS for p in r]))
+        subscriber.wait_for(lambda events: len(ours(events, "BlockStored")) >= stored, timeout=10)
+        results["kv-events"]["events"] = list(subscriber.events)
+    finally:
+        subscriber.close()
+        if mooncake is not None:
+            mooncake.stop()
     _print_gaps(results)
     return results
 
@@ -335,3 +375,24 @@ def test_a_preempted_request_resumes_by_loading_its_blocks_not_recomputing_them(
     assert with_aio["recomputed"] < without["recomputed"], (with_aio["recomputed"], without["recomputed"])
     assert_same_generation(with_aio["rounds"][0], without["rounds"][0], PREEMPTION_TOLERANCE)
 
+
+def test_pool_blocks_reach_a_kv_event_subscriber_once_each_with_their_tokens(runs):
+    result = _ran(runs, "kv-events")
+    for g, w in zip(result["rounds"], _ran(runs, "reference")["rounds"][:2]):
+        assert_same_generation(g, w, SAME_SHAPES_TOLERANCE)
+    stored = ours(result["events"], "BlockStored")
+    assert all(e.block_size == BLOCK and len(e.block_hashes) * BLOCK == len(e.token_ids) for e in stored)
+    got = sorted(tuple(e.token_ids[i : i + BLOCK]) for e in stored for i in range(0, len(e.token_ids), BLOCK))
+    assert got == _full_blocks([p for r in EVENT_ROUNDS for p in r])
+
+
+def test_a_node_of_its_own_hits_what_another_stored_through_the_tiered_store(runs):
+    if reason := missing_prerequisite():  # Mooncake is carried to the GPU machine by hand (docs/development.md)
+        pytest.skip(reason)
+    producer, consumer = _ran(runs, "tiered-producer"), _ran(runs, "tiered-consumer")
+    want = _ran(runs, "reference")["rounds"]
+    for g, w in zip(producer["rounds"], want):
+        assert_same_generation(g, w, SAME_SHAPES_TOLERANCE)
+    _assert_warm_rounds_match(consumer["rounds"], want[len(COLD_ROUNDS):], SAME_SHAPES_TOLERANCE)
+    counters = consumer["counters"]
+    assert counters.get("remote_tier_hits", 0) > 0 and counters.get("load_failures", 0) == 0, counters
