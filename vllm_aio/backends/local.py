@@ -58,6 +58,7 @@ class LocalBackend(Backend):
         self._closed = False
         if seal:
             self.pool.seal()
+        self.pool.warm_up()  # opened at engine start: the first request compiles nothing
 
     def shared_store(self) -> str | None:
         """Instances on one host that name one pool (``local_pool_name``) share its values."""

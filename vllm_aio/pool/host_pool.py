@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from vllm_aio.pool import index_ops
-from vllm_aio.pool.ids import BlockGroups, ValueIds
+from vllm_aio.pool.ids import BlockGroups, ValueIds, namespace_groups, value_ids
 from vllm_aio.pool.index_ops import FREE, READY, WRITING
 from vllm_aio.pool.layout import (H_CLOCK, H_EVICTIONS, H_HITS, H_LOOKUPS, H_NEXT_UNUSED, H_NUM_READY, PoolUsage,
                                   usage_of)
@@ -88,6 +88,27 @@ class SharedHostPool:
         self._index = (self._table, self._key_hi, self._key_lo)
         self._records = (self._group_hi, self._group_lo, self._group_parts)
         self._slot_groups = (self._slot_group_hi, self._slot_group_lo)
+
+    def warm_up(self) -> None:
+        """Every compiled loop over keys (``index_ops``) compiled, or loaded from numba's cache, now,
+        for the argument types the pool's operations pass, and nothing of the pool changed.
+
+        Lazily, the first lookup, save and eviction of a process each paid for it in a request's
+        step (0.13 s a process from the cache here, seconds where nothing is cached yet), with
+        the GIL held: in an engine whose worker shares the scheduler's process, the whole step.
+        """
+        blocks = [bytes(32)]  # vLLM's block hashes are 32 bytes (sha256, sha256_cbor)
+        value_ids("", "", None, blocks)
+        none = ValueIds(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        no_blocks = BlockGroups(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        namespace_groups("", False, blocks)
+        self.pin_ids(none)
+        self.reserve_ids(none, no_blocks)
+        self.commit([])
+        self.block_parts(no_blocks)
+        with self._file.locked():
+            index_ops.eviction_order(self._state, self._retention, self._lease_until, self._last_used, self._clock())
+            self._drop_ready(np.zeros(0, dtype=np.int64))
 
     def seal(self) -> None:
         """Unlink the pool's name now (``PoolFile.seal``); attached processes keep their mappings."""
