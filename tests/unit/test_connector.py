@@ -14,3 +14,30 @@ def test_sleep_mode_is_refused_with_the_reason_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="vllm"):
         assert AioConnector.supports_sleep_mode(None) is False
     assert "does not support vLLM's sleep mode" in caplog.text and "enable_sleep_mode" in caplog.text
+
+
+_EXITS_WITHOUT_SHUTDOWN = """
+from vllm_aio.connector.connector import shutdown_at_exit
+
+class Connector:
+    def shutdown(self):
+        print("shut down")
+
+kept, dropped = Connector(), Connector()
+shutdown_at_exit(kept)
+shutdown_at_exit(dropped)
+del dropped  # held weakly: a connector gone before exit is not kept alive for it
+print("exiting")
+"""
+
+
+def test_a_connector_vllm_never_shut_down_is_shut_down_at_interpreter_exit():
+    """vLLM's in-process engine never calls ``shutdown``: a store client's threads then died with the
+    process (Mooncake aborted it) and queued remote writes were lost."""
+    require("vllm")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _EXITS_WITHOUT_SHUTDOWN], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["exiting", "shut", "down"]

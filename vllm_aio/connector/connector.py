@@ -7,7 +7,9 @@ builds the half that matches the role, and routes vLLM's calls to it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import atexit
+import weakref
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -71,6 +73,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
         self._amx: AmxPermission | None = None  # the worker's, on vLLM's CPU platform
         self._facts: WorkerFacts | None = None  # the worker's, for the scheduler (get_handshake_metadata)
         self._num_blocks = kv_cache_config.num_blocks
+        self._exit_hook = shutdown_at_exit(self)
         # vLLM's KV cache events (--kv-events-config): only an instance that saves has pool blocks to announce.
         events_config = vllm_config.kv_events_config
         kv_events = bool(events_config and events_config.enable_kv_cache_events) and dep.save_enabled
@@ -188,6 +191,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
         return SavedPartsEvents([parts]) if parts is not None else None
 
     def shutdown(self) -> None:
+        atexit.unregister(self._exit_hook)
         if self._migration is not None:
             self._migration.close()
         half = self._worker or self._scheduler
@@ -261,6 +265,28 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
             "and nothing rebuilds them after sleep; start without enable_sleep_mode"
         )
         return False
+
+
+def shutdown_at_exit(connector: AioConnector) -> Callable[[], None]:
+    """Shut ``connector`` down when the interpreter exits, unless vLLM did first.
+
+    vLLM's in-process engine (``LLM(...)`` with the engine core in the caller's
+    process) never shuts its connector down: in vLLM 0.23.0's CUDA engine a
+    tiered store's producer, its remote writes still queued, ended in
+    libstdc++'s "terminate called without an active exception" (a store
+    client's threads running as the interpreter tore down). Interpreter exit
+    runs this while the transfer threads still run: the queued writes are
+    flushed (bounded), the store clients closed. Holds the connector weakly.
+    """
+    ref = weakref.ref(connector)
+
+    def hook() -> None:
+        if (live := ref()) is not None:
+            logger.info("vllm_aio: shutting the connector down at interpreter exit (vLLM did not)")
+            live.shutdown()
+
+    atexit.register(hook)
+    return hook
 
 
 def _topology(dep) -> "Topology":
