@@ -268,6 +268,10 @@ def _print_gaps(results: dict[str, dict]) -> None:
                          f"({sum(a.compared for a in found)}{'*' if any(a.parted_at_near_tie for a in found) else ''})")
         failed = result.get("counters", {}).get("failed_hit_tokens", 0)
         print(f"  {name}: {' '.join(cells)}" + (f" (failed_hit_tokens {failed:.0f})" if failed else ""))
+        for i, (got_round, want_round) in enumerate(zip(result["rounds"], want)):
+            cached, want_cached = [r["cached"] for r in got_round], [r["cached"] for r in want_round]
+            if cached != want_cached:  # a gap then comes from other shapes, not from the KV loaded
+                print(f"    round {i}: cached {cached}, the reference's {want_cached}")
 
 
 def _result(runs: dict[str, dict], name: str) -> dict:
