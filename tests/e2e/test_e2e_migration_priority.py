@@ -91,8 +91,11 @@ class Router:
     url: str
     log: Path
 
+    def status(self) -> dict:
+        return requests.get(f"{self.url}/router/status", timeout=10).json()
+
     def moves(self) -> list[dict]:
-        return requests.get(f"{self.url}/router/status", timeout=10).json()["moves"]
+        return self.status()["moves"]
 
     def log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
@@ -152,8 +155,7 @@ def decoding(router: Router, timeout_s: float = 120.0) -> None:
     """Returns once the router relays a token of the high-priority request."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        flights = requests.get(f"{router.url}/router/status", timeout=10).json()["flights"]
-        if any(f["priority"] == HIGH and f["generated"] > 0 for f in flights):
+        if any(f["priority"] == HIGH and f["generated"] > 0 for f in router.status()["flights"]):
             return
         time.sleep(0.05)
     raise AssertionError(f"the high-priority request produced no token in {timeout_s:.0f} s\n{router.log_tail()}")
@@ -164,8 +166,7 @@ def scenario(url: str, model: str, router: Router | None = None) -> tuple[Comple
     instance): the high one's tokens and seconds, the low ones' tokens."""
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         high = pool.submit(streamed, url, model, PROMPTS[0], HIGH)
-        # The high-priority request is decoding when the low ones crowd A. After a fixed 0.5 s, a CI
-        # run on two busy cores sent them when it had finished (10 s later): nothing high could move.
+        # The high-priority request is decoding when the low ones crowd A (see ATTEMPTS).
         if router is None:
             time.sleep(0.5)
         else:

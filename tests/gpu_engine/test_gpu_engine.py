@@ -260,18 +260,19 @@ def _print_gaps(results: dict[str, dict]) -> None:
         want = results[_reference(mode)].get("rounds", [])
         if name.endswith("consumer"):
             want = want[len(COLD_ROUNDS):]
-        cells = []
-        for got_round, want_round in zip(result["rounds"], want):
+        cells, shapes = [], []
+        for i, (got_round, want_round) in enumerate(zip(result["rounds"], want)):
             found = [agreement(g["token_ids"], g["logprobs"], w["token_ids"], w["logprobs"], w["margins"],
                                NEAR_TIE[w["dtype"]]) for g, w in zip(got_round, want_round)]
             cells.append(f"{max(a.worst_logprob_gap for a in found):.4f}"
                          f"({sum(a.compared for a in found)}{'*' if any(a.parted_at_near_tie for a in found) else ''})")
-        failed = result.get("counters", {}).get("failed_hit_tokens", 0)
-        print(f"  {name}: {' '.join(cells)}" + (f" (failed_hit_tokens {failed:.0f})" if failed else ""))
-        for i, (got_round, want_round) in enumerate(zip(result["rounds"], want)):
             cached, want_cached = [r["cached"] for r in got_round], [r["cached"] for r in want_round]
             if cached != want_cached:  # a gap then comes from other shapes, not from the KV loaded
-                print(f"    round {i}: cached {cached}, the reference's {want_cached}")
+                shapes.append(f"    round {i}: cached {cached}, the reference's {want_cached}")
+        failed = result.get("counters", {}).get("failed_hit_tokens", 0)
+        print(f"  {name}: {' '.join(cells)}" + (f" (failed_hit_tokens {failed:.0f})" if failed else ""))
+        for line in shapes:
+            print(line)
 
 
 def _result(runs: dict[str, dict], name: str) -> dict:
