@@ -278,6 +278,24 @@ def test_dev_pool_master_keeps_a_silent_client_for_a_minute(mooncake_pool_factor
     assert f"client_ttl={CLIENT_TTL}," in (pool.log_dir / "master.log").read_text()
 
 
+def test_dev_pool_master_restarted_from_a_thread_outlives_the_thread(
+    mooncake_pool_factory: Callable[..., MooncakePool]
+) -> None:
+    # The children die with the thread that forked them (PR_SET_PDEATHSIG): a master restarted
+    # from a load's client thread died when the load ended, and the next test ran without one.
+    pool = mooncake_pool_factory()
+    pool.kill_master()
+    restarter = threading.Thread(target=pool.restart_master)
+    restarter.start()
+    restarter.join(60)
+    assert not restarter.is_alive()
+    try:
+        pool.master.wait(2)
+    except subprocess.TimeoutExpired:
+        pass
+    assert pool.alive()
+
+
 def tenant_pool(factory: Callable[..., MooncakePool], tmp_path: Any, tenants: tuple[str, ...]) -> MooncakePool:
     """A pool whose master keeps the tenants' keys apart (puts of tenants it does not name fail)."""
     quota = tmp_path / "tenants.yaml"

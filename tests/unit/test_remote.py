@@ -6,6 +6,7 @@ signal each other. Nothing sleeps.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -40,7 +41,7 @@ class Clock:
 
 def link() -> tuple[MasterLink, Probe, Clock]:
     probe, clock = Probe(), Clock()
-    return MasterLink("h:1", probe_interval=0.5, reachable=probe, clock=clock), probe, clock
+    return MasterLink("h:1", "Store master", probe_interval=0.5, reachable=probe, clock=clock), probe, clock
 
 
 def test_a_healthy_link_is_usable_without_probing():
@@ -64,6 +65,23 @@ def test_a_link_found_down_answers_at_once_and_probes_once_per_interval():
     clock.now += 0.5
     assert master.usable()  # the probe sees it back
     assert master.usable() and probe.probes == 3
+
+
+def test_a_link_says_once_that_the_service_went_away_and_once_that_it_came_back(caplog):
+    master, probe, clock = link()
+    probe.up = False
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        master.probe(1.0)
+        clock.now += 0.5
+        master.usable()  # still down: said already
+        probe.up = True
+        clock.now += 0.5
+        assert master.usable() and master.usable()
+        assert master.probe(1.0)  # up after up: nothing to say
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == [logging.WARNING, logging.INFO]
+    assert said[0][1].startswith("vllm_aio: Store master at h:1 does not answer;") and "lookups miss" in said[0][1]
+    assert said[1][1] == "vllm_aio: Store master at h:1 answers again; pool calls go to it"
 
 
 def test_gate_close_waits_for_the_call_in_flight_and_refuses_new_ones():

@@ -158,7 +158,7 @@ class MemcacheBackend(Backend):
         self._call_timeout, self._close_timeout = call_timeout, close_timeout
         self._gate = CallGate("MemcacheBackend")
         meta = tcp_address("ock.mmc.meta_service_url", settings.meta_service_url)
-        self._link = MasterLink(meta, probe_interval=probe_interval)
+        self._link = MasterLink(meta, "Memcache meta service", probe_interval=probe_interval)
         self._regions = Regions()  # guarded by _reg_lock
         self._reg_lock = threading.Lock()
         self._factory = factory = store_factory or import_store()

@@ -192,7 +192,7 @@ class MooncakeBackend(Backend):
         self._value_bytes = value_bytes  # of every value; None: any (see base.distinct_only)
         self._retry_budget = rpc_retry_budget
         self._gate = CallGate("MooncakeBackend")
-        self._link = MasterLink(settings.master_server_address)
+        self._link = MasterLink(settings.master_server_address, "Mooncake master")
         self._regions = Regions()  # guarded by _reg_lock
         self._reg_lock = threading.Lock()
         self._store = self._setup(store_factory or import_store(), connect_timeout)

@@ -3,6 +3,7 @@
 - ``MasterLink``: whether the service answers. Both client libraries block for
   seconds per call once their service is gone (Mooncake ~4 s, Memcache 60 s):
   after a failure, calls answer ERROR at once until a TCP probe sees it again.
+  It logs one line when the service stops answering and one when it is back.
 - ``CallGate``: counts calls in flight, so ``close`` never frees a client under
   one (both clients crash on a call after their close).
 - ``Regions``: the memory registered with a client, and which of it is device memory.
@@ -22,7 +23,10 @@ from contextlib import contextmanager
 
 from vllm_aio.backends.base import Memory, Segment, Status
 from vllm_aio.backends.settings import ConfigError
+from vllm_aio.log import get_logger
 from vllm_aio.pool.keys import BlockParts
+
+logger = get_logger(__name__)
 
 # A backend's bounded runner: ``(n, native)`` runs ``native(indices)`` over
 # all ``n`` keys (in chunks, retried, ...) and returns one code per key.
@@ -52,19 +56,22 @@ class MasterLink:
 
     After a failure (``probe`` finding it gone) the link is down: ``usable``
     answers False at once, and at most one probe per ``probe_interval`` checks
-    whether the service came back. ``reachable`` and ``clock`` are the TCP probe
-    and the monotonic clock (tests give their own).
+    whether the service came back. ``service`` names it in the two log lines
+    (down, back). ``reachable`` and ``clock`` are the TCP probe and the
+    monotonic clock (tests give their own).
     """
 
     def __init__(
         self,
         address: str,
+        service: str,
         probe_interval: float = 0.5,
         probe_timeout: float = 0.2,
         reachable: Callable[[str, float], bool] = tcp_reachable,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.address = address
+        self.service = service
         self.probe_interval = probe_interval
         self.probe_timeout = probe_timeout
         self._reachable = reachable
@@ -82,17 +89,25 @@ class MasterLink:
             if now - self._last_probe < self.probe_interval:
                 return False
             self._last_probe = now
-        up = self._reachable(self.address, self.probe_timeout)
-        with self._lock:
-            self._down = not up
-        return up
+        return self._settle(self._reachable(self.address, self.probe_timeout))
 
     def probe(self, timeout: float) -> bool:
         """Probe now (after a failed call); the link is down when the service does not answer."""
         up = self._reachable(self.address, min(timeout, self.probe_timeout))
         with self._lock:
-            self._down = not up
             self._last_probe = self._clock()
+        return self._settle(up)
+
+    def _settle(self, up: bool) -> bool:
+        """Record a probe's answer; a change is logged, once, by whichever thread saw it."""
+        with self._lock:
+            changed, self._down = self._down == up, not up
+        if changed and up:
+            logger.info("vllm_aio: %s at %s answers again; pool calls go to it", self.service, self.address)
+        elif changed:
+            logger.warning("vllm_aio: %s at %s does not answer; until it does, lookups miss and saves fail, "
+                           "and requests compute their KV (probed every %.1f s)", self.service, self.address,
+                           self.probe_interval)
         return up
 
 

@@ -11,6 +11,11 @@ Every port is chosen free on 127.0.0.1 unless given (two masters on default
 ports collide), the master's HTTP metadata server stays off (it fails to start
 here; engines use ``P2PHANDSHAKE``), and the children get SIGTERM when this
 process dies, so a crashed test run leaves no pool behind.
+
+Linux sends that signal when the *thread* that forked a child ends, not the
+process: a master restarted from a load's client thread died with the thread,
+at the end of the load. So every child is forked by one thread the pool owns,
+which lives from ``start`` to ``stop``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +81,7 @@ def port_open(port: int, timeout: float = 0.2) -> bool:
 
 
 def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the parent dies (Linux prctl)."""
+    """In the child: get SIGTERM when the parent thread ends (Linux prctl)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -113,6 +119,7 @@ class MooncakePool:
         self.start_timeout = start_timeout
         self.master: subprocess.Popen[bytes] | None = None
         self.client: subprocess.Popen[bytes] | None = None
+        self._forker: ThreadPoolExecutor | None = None  # the thread the children are tied to
 
     @property
     def master_address(self) -> str:
@@ -132,6 +139,7 @@ class MooncakePool:
         }
 
     def start(self) -> MooncakePool:
+        self._forker = ThreadPoolExecutor(1, thread_name_prefix="mooncake-pool")
         try:
             self.master = self._spawn("master", [find_binary("mooncake_master"), *self._master_argv()])
             self._wait_listening(self.master, "master", self.rpc_port)
@@ -146,6 +154,9 @@ class MooncakePool:
         """SIGTERM the client, then the master; SIGKILL what outlives ``timeout``."""
         for proc in (self.client, self.master):
             _terminate(proc, timeout)
+        if self._forker is not None:
+            self._forker.shutdown()
+            self._forker = None
         if self._temp_logs:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
@@ -197,12 +208,14 @@ class MooncakePool:
         ]
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        if self._forker is None:
+            raise PoolError(f"mooncake {name}: the pool is not started")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{name}.log", "ab") as log:
-            return subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            return self._forker.submit(
+                subprocess.Popen, argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=_die_with_parent,
-            )
+            ).result()
 
     def _wait_listening(self, proc: subprocess.Popen[bytes], name: str, port: int) -> None:
         deadline = time.monotonic() + self.start_timeout
