@@ -248,25 +248,22 @@ class MasterOutage:
     """
 
     def __init__(self, pool: MooncakePool, log_path: Path, timeout_s: float = 120.0) -> None:
-        self.pool, self.log_path, self.timeout_s = pool, log_path, timeout_s
-        self._offset = 0
+        self.pool, self.timeout_s = pool, timeout_s
+        self._since_kill = LogTail(log_path)
 
     def kill(self) -> None:
-        self._offset = self.log_path.stat().st_size
+        self._since_kill.offset = self._since_kill.path.stat().st_size
         self.pool.kill_master()
 
     def restart_once_noticed(self) -> None:
         # Requests started after the kill are still to be looked up and saved: this waits for them.
         deadline = time.monotonic() + self.timeout_s
-        while not MASTER_DOWN.search(self._logged_since_kill()):
+        said = self._since_kill.read_new()
+        while not MASTER_DOWN.search(said):
             assert time.monotonic() < deadline, f"no line says the master is gone after {self.timeout_s:.0f} s"
             time.sleep(0.1)
+            said += self._since_kill.read_new()
         self.pool.restart_master()
-
-    def _logged_since_kill(self) -> str:
-        with self.log_path.open("rb") as f:
-            f.seek(self._offset)
-            return f.read().decode(errors="replace")
 
 
 def test_mooncake_master_killed_and_restarted_under_load_fails_no_request(mooncake, baseline, load_pool):
