@@ -64,14 +64,16 @@ demo: install model
 	$(VPY) examples/demo.py --model $(MODEL)
 
 # vLLM 0.27.1, the version vllm-ascend's main pairs with: the end-to-end tier again, in a venv of its
-# own (every transfer mode on the embedded pool and on Mooncake, producer -> consumer, preemption),
+# own (every transfer mode on the embedded pool and on Mooncake, the dynamic buffer in 0.23-0.28's
+# shared_by plan, producer -> consumer, preemption),
 # each output against a no-connector engine of that version. 0.23-0.26's CPU builds pin torch wheels
 # this index lacks (tests/unit/test_vllm_compat.py covers what differs there).
 COMPAT_VENV := .venv-vllm0271
 COMPAT_VPY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.vllm_aio-installed
 COMPAT_TESTS := tests/e2e/test_e2e_shared_prefix.py tests/e2e/test_e2e_preemption.py tests/unit/test_vllm_compat.py \
-	tests/e2e/test_e2e_pool.py::test_producer_stores_and_consumer_only_loads
+	tests/e2e/test_e2e_pool.py::test_producer_stores_and_consumer_only_loads \
+	tests/e2e/test_e2e_dynamic_buffer.py tests/unit/test_buffer_plan.py tests/unit/test_layer_buffer.py
 
 $(COMPAT_STAMP): setup.py Makefile | $(VPY)
 	$(PYTHON) -m venv $(COMPAT_VENV)
@@ -131,7 +133,10 @@ test-gpu:
 # On a GPU host with vLLM's CUDA build importable (the H200: ../shared/notes/gpu-engine.md, then
 # `source .gpu-vllm/c/install.sh`): the connector in real CUDA engines, graphs at their defaults,
 # every transfer mode's pool hits against vLLM's own prefix-cache hits (tests/gpu_engine/).
+# The package's vllm.general_plugins entry points (the dynamic buffer's plan) come from its metadata:
+# egg_info writes it beside the sources, found where the checkout is on PYTHONPATH, nothing installed.
 test-gpu-engine:
+	$(PYTHON) setup.py -q egg_info
 	$(PYTHON) -m pytest tests/gpu_engine -p no:cacheprovider -v -ra -s
 
 # On an Ascend host, inside vllm-ascend's image (quay.io/ascend/vllm-ascend:v0.23.0 has CANN,

@@ -122,13 +122,21 @@ class BlockLayout:
             for p in self.planes[i]:
                 p.blocks.index_copy_(0, dst_ids, p.blocks.index_select(0, src_ids))
 
+    def stackable(self, layer: int) -> bool:
+        """Whether ``stacked`` can view the layer's planes: equally spaced in one allocation."""
+        planes = self.planes[layer]
+        storage = {p.blocks.untyped_storage().data_ptr() for p in planes}
+        between = planes[1].base - planes[0].base if len(planes) > 1 else 0
+        spaced = all(b.base - a.base == between and b.stride == a.stride for a, b in zip(planes, planes[1:]))
+        return len(storage) == 1 and spaced
+
     def stacked(self, layer: int) -> torch.Tensor:
         """The layer's planes as one uint8 ``[planes, num_blocks, size]`` view (planes equally spaced,
         as in both supported shapes), for kernels that move every plane of a block at once."""
         planes = self.planes[layer]
         first = planes[0].blocks
         between = planes[1].base - planes[0].base if len(planes) > 1 else 0
-        if any(b.base - a.base != between or b.stride != a.stride for a, b in zip(planes, planes[1:])):
+        if not self.stackable(layer):
             raise ValueError(f"layer {layer}'s planes are not equally spaced in one allocation")
         return _bytes_of(first).as_strided((len(planes), *first.shape), (between, *first.stride()), first.storage_offset())
 

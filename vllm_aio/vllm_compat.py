@@ -14,8 +14,9 @@ What differs, and what each side does:
 * ``KVCacheConfig.hash_block_size`` and ``kv_cache_layout``, ``AttentionSpec.dcp_sharded``,
   ``SlidingWindowSpec.extra_retained_tokens``: 0.32 fields, derived as older vLLM does.
 * ``SchedulerOutput.kv_cache_block_copies``: absent in 0.23 (no copies to follow).
-* ``KVCacheTensor.layers`` / ``layer_stride``: 0.32's one-tensor-for-many-layers plan, which the
-  dynamic buffer's aliasing needs.
+* How a plan lets layers share device memory, which the dynamic buffer's aliasing needs
+  (``buffer_plan_form``): from 0.29 a ``KVCacheTensor`` places its ``layers`` at ``offset`` of one
+  allocation (``layer_stride`` apart); 0.23-0.28 give every layer of ``shared_by`` the same tensor.
 * ``vllm.v1.metrics.cache_hit_source``: 0.32 labels prefix hits by source; older versions do not.
 * The KV cache planner ``get_kv_cache_configs``: in ``kv_cache_planning`` from 0.33, with the
   model's KV cache groups as a fourth parameter; in ``kv_cache_utils`` before.
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     # vLLM's types that the dynamic buffer annotates with: ``buffer/`` imports vLLM only through here.
     from vllm.v1.core.sched.output import SchedulerOutput
 
-NEWEST = "0.32"  # what the seams below that refuse need
+NEWEST = "0.32"  # what the seams below that refuse need (per-request load failures, hybrid models)
 
 
 def vllm_version() -> str:
@@ -140,11 +141,26 @@ def extra_retained_tokens(spec: Any) -> int:
     return int(getattr(spec, "extra_retained_tokens", 0))
 
 
-def aliases_layers() -> bool:
-    """Whether one ``KVCacheTensor`` describes several layers (0.32), which the dynamic buffer needs."""
+# The two forms of a plan in which layers share device memory (``buffer_plan_form``).
+LAYERS_FORM = "layers"  # 0.29+: ``KVCacheTensor(size, layers, layer_stride, block_stride, offset)``
+SHARED_BY_FORM = "shared_by"  # 0.23-0.28: ``KVCacheTensor(size, shared_by)``, one tensor for the layers named
+
+
+def buffer_plan_form() -> str | None:
+    """How this vLLM's plan lets layers share device memory; None where neither form exists."""
     from vllm.v1.kv_cache_interface import KVCacheTensor
 
-    return {"layers", "layer_stride"} <= _fields(KVCacheTensor)
+    fields = _fields(KVCacheTensor)
+    if {"size", "layers", "layer_stride", "block_stride", "offset"} <= fields:
+        return LAYERS_FORM
+    return SHARED_BY_FORM if {"size", "shared_by"} <= fields else None
+
+
+def device_type() -> str:
+    """The device type of vLLM's platform (``"npu"`` under vllm-ascend)."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
 
 
 def kv_cache_block_copies(scheduler_output: Any) -> list[Any]:
@@ -161,7 +177,6 @@ _PLANNER_PARAMS = ("vllm_config", "kv_cache_specs", "available_memory")  # what 
 _SCHEDULER_VIEW_MODULE = "vllm.v1.core.kv_cache_utils"
 _SCHEDULER_VIEW = "generate_scheduler_kv_cache_config"  # ([KVCacheConfig]) -> KVCacheConfig
 _ENGINE_CORE = "vllm.v1.engine.core"  # imports both by name
-_TENSOR_FIELDS = {"size", "layers", "layer_stride", "block_stride", "offset"}
 _CONFIG_FIELDS = {"num_blocks", "kv_cache_tensors", "kv_cache_groups"}
 # Written onto the workers' plans: the blocks per buffer kept out of the scheduler's pool.
 _PRIVATE_ATTR = "vllm_aio_private_blocks"
@@ -200,12 +215,13 @@ def buffer_internals_missing() -> list[str]:
     try:
         missing = _planner_missing()
         utils = importlib.import_module(_SCHEDULER_VIEW_MODULE)
-        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
+        from vllm.v1.kv_cache_interface import KVCacheConfig
     except ImportError as exc:
         return [f"{exc.name} (import)"]
     if not callable(getattr(utils, _SCHEDULER_VIEW, None)):
         missing.append(f"{_SCHEDULER_VIEW_MODULE}.{_SCHEDULER_VIEW}")
-    missing += [f"KVCacheTensor.{name}" for name in sorted(_TENSOR_FIELDS - _fields(KVCacheTensor))]
+    if buffer_plan_form() is None:
+        missing.append("KVCacheTensor.shared_by (0.23-0.28) or KVCacheTensor.layers and layer_stride (0.29+)")
     missing += [f"KVCacheConfig.{name}" for name in sorted(_CONFIG_FIELDS - _fields(KVCacheConfig))]
     return missing
 
@@ -245,11 +261,18 @@ def patch_kv_cache_planner(wrap_planner: Callable[[Callable], Callable],
 
 
 def kv_cache_tensor(size: int, layer: str, layer_stride: int, block_stride: int, offset: int) -> Any:
-    """One layer's ``KVCacheTensor`` at ``offset`` of a backing allocation of ``size`` bytes."""
+    """One layer's ``KVCacheTensor`` at ``offset`` of a backing allocation of ``size`` bytes (0.29+)."""
     from vllm.v1.kv_cache_interface import KVCacheTensor
 
     return KVCacheTensor(size=size, layers=[layer], layer_stride=layer_stride, block_stride=block_stride,
                          offset=offset)
+
+
+def shared_kv_cache_tensor(size: int, layers: list[str]) -> Any:
+    """One tensor of ``size`` bytes that every layer of ``layers`` uses (0.23-0.28)."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    return KVCacheTensor(size=size, shared_by=layers)
 
 
 def with_kv_cache_tensors(kv_cache_config: Any, tensors: list[Any]) -> Any:

@@ -13,6 +13,7 @@ timing.
 from __future__ import annotations
 
 import re
+import uuid
 
 import pytest
 
@@ -39,8 +40,8 @@ RUN = {
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def _buffer(**extra) -> dict:
-    return aio_config(transfer_mode="dynamic_buffer", dynamic_buffer_count=2, **extra)
+def _buffer(role: str = "kv_both", **extra) -> dict:
+    return aio_config(role, transfer_mode="dynamic_buffer", dynamic_buffer_count=2, **extra)
 
 
 def _normal_blocks(log: str) -> int:
@@ -80,6 +81,29 @@ def test_pool_hits_land_in_host_memory_and_stream_in(tiny6_model, tmp_path, refe
     assert all(r["cached"] >= 0.8 * r["prompt_len"] for r in warm), [r["cached"] for r in warm]
     assert_same_generation(cold, rounds[0])
     assert_same_generation(warm, rounds[1])
+
+
+def test_a_producer_stores_through_the_buffer_and_a_consumer_loads_through_it(tiny6_model, tmp_path, reference):
+    from vllm_aio.pool.entry import HEADER_BYTES
+    from vllm_aio.pool.host_pool import SharedHostPool
+
+    rounds, _, _ = reference
+    name = f"buffer-pd-{uuid.uuid4().hex[:8]}"
+    holder = SharedHostPool(name, HEADER_BYTES + PAGE, 256)  # held between the two, as a long-lived host would
+    try:
+        engine = Engine(tiny6_model, tmp_path)
+        run = {**RUN, "enable_prefix_caching": False}
+        (stored,) = engine.run([PROMPTS], _buffer("kv_producer", local_pool_name=name), env=IN_PROCESS, **run)
+        assert all(r["cached"] == 0 for r in stored), "a producer must not load"
+        blocks = holder.usage().num_ready
+        assert blocks >= sum(len(p) // 32 for p in PROMPTS)  # and what preempted requests had decoded
+        (loaded,) = engine.run([PROMPTS], _buffer("kv_consumer", local_pool_name=name), env=IN_PROCESS, **run)
+        assert all(r["cached"] >= 0.8 * r["prompt_len"] for r in loaded), [r["cached"] for r in loaded]
+        assert holder.usage().num_ready == blocks, "a consumer must not store"
+        assert_same_generation(stored, rounds[0])
+        assert_same_generation(loaded, rounds[0])
+    finally:
+        holder.close()
 
 
 def test_a_layer_never_loaded_changes_the_output(tiny6_model, tmp_path, reference):

@@ -22,12 +22,29 @@ def kv():
 
 
 def _config(kv, layers: int, num_blocks: int = 10, page: int = 4096):
+    """A one-group plan in the installed vLLM's form, as its planner makes it: one tensor of every
+    layer at ``layer_stride`` (0.29+), or one tensor a layer (0.23-0.28)."""
     spec = kv.FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
     names = [f"layer.{i}" for i in range(layers)]
-    tensor = kv.KVCacheTensor(size=layers * num_blocks * page, layers=names, layer_stride=num_blocks * page,
-                              block_stride=page)
-    return kv.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
+    if _shared_by_form():
+        tensors = [kv.KVCacheTensor(size=num_blocks * page, shared_by=[name]) for name in names]
+    else:
+        tensors = [kv.KVCacheTensor(size=layers * num_blocks * page, layers=names, layer_stride=num_blocks * page,
+                                    block_stride=page)]
+    return kv.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
                             kv_cache_groups=[kv.KVCacheGroupSpec(names, spec)])
+
+
+def _shared_by_form() -> bool:
+    from vllm_aio import vllm_compat
+
+    return vllm_compat.buffer_plan_form() == vllm_compat.SHARED_BY_FORM
+
+
+def _placement(config) -> list[tuple[int, list[str], int]]:
+    """(bytes, layers, offset) of each tensor of a plan of either form."""
+    return [(t.size, list(getattr(t, "shared_by", None) or t.layers), getattr(t, "offset", 0))
+            for t in config.kv_cache_tensors]
 
 
 def test_layers_are_placed_round_robin_on_the_buffers(kv):
@@ -35,10 +52,11 @@ def test_layers_are_placed_round_robin_on_the_buffers(kv):
 
     planned = alias_layers(_config(kv, layers=5), buffers=2)
     region = 10 * 4096
-    assert [(t.layers, t.offset) for t in planned.kv_cache_tensors] == [
-        (["layer.0"], 0), (["layer.1"], region), (["layer.2"], 0), (["layer.3"], region), (["layer.4"], 0),
-    ]
-    assert {t.size for t in planned.kv_cache_tensors} == {2 * region}  # one backing allocation
+    if _shared_by_form():  # two tensors of one region, each shared by every other layer
+        assert _placement(planned) == [(region, ["layer.0", "layer.2", "layer.4"], 0),
+                                       (region, ["layer.1", "layer.3"], 0)]
+    else:  # one backing allocation of two regions, each layer at its buffer's
+        assert _placement(planned) == [(2 * region, [f"layer.{i}"], (i % 2) * region) for i in range(5)]
 
 
 def test_private_blocks_stay_out_of_the_schedulers_pool(kv):
@@ -62,15 +80,55 @@ def test_private_blocks_that_leave_too_few_for_vllm_are_refused(kv):
         reserve_private(_config(kv, layers=4, num_blocks=40), 20)
 
 
-def test_block_outermost_layout_is_refused(kv):
+def test_a_plan_whose_layers_do_not_each_own_a_region_is_refused(kv):
+    """0.29+: a block-outermost layout (each block a slab of every layer); 0.23-0.28: a tensor
+    already shared by several layers (packed)."""
     from vllm_aio.buffer.plan import alias_layers
 
     config = _config(kv, layers=4)
-    (t,) = config.kv_cache_tensors
-    config.kv_cache_tensors = [kv.KVCacheTensor(size=t.size, layers=t.layers, layer_stride=4096,
-                                                block_stride=4 * 4096)]
-    with pytest.raises(ConfigError, match="layer-outermost"):
+    if _shared_by_form():
+        first, second, *rest = config.kv_cache_tensors
+        config.kv_cache_tensors = [kv.KVCacheTensor(size=first.size, shared_by=first.shared_by + second.shared_by),
+                                   *rest]
+        message = "one KV cache tensor per layer"
+    else:
+        (t,) = config.kv_cache_tensors
+        config.kv_cache_tensors = [kv.KVCacheTensor(size=t.size, layers=t.layers, layer_stride=4096,
+                                                    block_stride=4 * 4096)]
+        message = "layer-outermost"
+    with pytest.raises(ConfigError, match=message):
         alias_layers(config, 2)
+
+
+def test_layers_of_different_sizes_are_refused_in_the_shared_by_form(kv, monkeypatch):
+    """0.23-0.28 plan layers of one type but different hidden sizes as tensors of their own sizes."""
+    from vllm_aio import vllm_compat
+    from vllm_aio.buffer import plan
+
+    monkeypatch.setattr(vllm_compat, "buffer_plan_form", lambda: vllm_compat.SHARED_BY_FORM)
+    names = ["layer.0", "layer.1", "layer.2"]
+    tensors = [SimpleNamespace(size=size, shared_by=[n]) for n, size in zip(names, (4096, 8192, 4096))]
+    config = SimpleNamespace(num_blocks=1, kv_cache_tensors=tensors,
+                             kv_cache_groups=[SimpleNamespace(layer_names=names)])
+    with pytest.raises(ConfigError, match="one layer shape .got layer tensors of 2 sizes."):
+        plan.alias_layers(config, 2)
+
+
+def test_vllm_ascend_on_a_vllm_that_allocates_each_layer_apart_is_refused_naming_the_versions_that_work(
+        monkeypatch):
+    from vllm_aio import vllm_compat
+    from vllm_aio.buffer.plan import refuse_unsupported
+
+    monkeypatch.setattr(vllm_compat, "buffer_plan_form", lambda: vllm_compat.LAYERS_FORM)
+    monkeypatch.setattr(vllm_compat, "device_type", lambda: "npu")
+    monkeypatch.setattr(vllm_compat, "vllm_version", lambda: "0.29.0")
+    config = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=None), speculative_config=None,
+                             parallel_config=SimpleNamespace(enable_dbo=False))
+    with pytest.raises(ConfigError, match=r"vllm-ascend on vLLM 0\.29\.0 allocates every layer's KV apart .*"
+                                          r"vllm-ascend with vLLM 0\.23-0\.28"):
+        refuse_unsupported(config)
+    monkeypatch.setattr(vllm_compat, "buffer_plan_form", lambda: vllm_compat.SHARED_BY_FORM)
+    refuse_unsupported(config)
 
 
 def test_a_hybrid_model_is_refused_with_the_reason(kv):
@@ -131,7 +189,7 @@ def _module(name: str, **functions) -> ModuleType:
 def test_a_planner_in_kv_cache_planning_is_wrapped_and_handed_its_further_parameters(kv, monkeypatch):
     """vLLM 0.33's layout: the planner in ``kv_cache_planning`` with the model's KV cache groups
     as a fourth parameter, the scheduler view left in ``kv_cache_utils``, both imported by the engine core."""
-    from vllm_aio.buffer.plan import register
+    from vllm_aio.buffer.plan import alias_layers, register
 
     calls = []
 
@@ -162,7 +220,7 @@ def test_a_planner_in_kv_cache_planning_is_wrapped_and_handed_its_further_parame
     specs = [{f"layer.{i}": None for i in range(4)}]
     (config,) = core.get_kv_cache_configs(buffered, specs, [1000], "groups")
     assert calls == [([2000], "groups")]  # 4 layers on 2 buffers: twice the memory, the groups as they came
-    assert [t.offset for t in config.kv_cache_tensors] == [0, 40 * 4096, 0, 40 * 4096]  # aliased
+    assert _placement(config) == _placement(alias_layers(_config(kv, layers=4, num_blocks=40), 2))  # aliased
     other = SimpleNamespace(kv_transfer_config=None)
     core.get_kv_cache_configs(other, specs, [1000], "groups")
     assert calls[-1] == ([1000], "groups")

@@ -31,20 +31,39 @@ DEVICES = params("cpu", *CUDA, "npu")
 COPIES = {"staged": 1 << 40, "in_place": 0, "mixed": 3 * PAGE_BYTES}
 
 
+# How a runner hands a layer's cache to the connector: vLLM's one tensor, or vllm-ascend's tuple of
+# separate allocations, every tensor ``[blocks, tokens, ...]``: ``(k, v)``, or MLA's ``(nope, rope)``.
+TUPLE_FORMS = {"kv": ((16, 32), (16, 32)), "mla": ((16, 32), (16, 8))}
+
+
+def parts(cache) -> tuple[torch.Tensor, ...]:
+    return (cache,) if isinstance(cache, torch.Tensor) else tuple(cache)
+
+
 class Model:
-    """L layer views on S buffers of one allocation, plus the reference cache."""
+    """L layer views on S buffers (of one allocation, or vllm-ascend's tuples of separate allocations,
+    one per buffer and part, every layer of a buffer handed the same tuple), plus the reference cache."""
 
     def __init__(self, device: str, layers: int, buffers: int, staging: int = 1 << 20, copies: str = "mixed",
-                 shape: tuple[int, ...] = (NUM_BLOCKS, *PAGE)):
+                 shape: tuple[int, ...] = (NUM_BLOCKS, *PAGE), form: str = "tensor"):
         self.device = device
         self.names = [f"layer.{i}" for i in range(layers)]
-        backing = torch.zeros(buffers, *shape, dtype=torch.bfloat16, device=device)
-        self.views = {n: backing[i % buffers] for i, n in enumerate(self.names)}
-        self.truth = {n: torch.zeros(*shape, dtype=torch.bfloat16, device=device) for n in self.names}
+        if form == "tensor":
+            backing = torch.zeros(buffers, *shape, dtype=torch.bfloat16, device=device)
+            self.views = {n: backing[i % buffers] for i, n in enumerate(self.names)}
+            self.truth = {n: torch.zeros(*shape, dtype=torch.bfloat16, device=device) for n in self.names}
+        else:
+            def cache():
+                return tuple(torch.zeros(NUM_BLOCKS, *p, dtype=torch.bfloat16, device=device) for p in TUPLE_FORMS[form])
+
+            shared = [cache() for _ in range(buffers)]
+            self.views = {n: shared[i % buffers] for i, n in enumerate(self.names)}
+            self.truth = {n: cache() for n in self.names}
         self.kv_split = shape[0] == 2  # [2, blocks, ...]: K and V apart, two planes per layer
         self.buffer = LayerBuffer(self.views, self.names, NUM_BLOCKS, buffers, staging, COPIES[copies])
         for host in self.buffer.host_caches.values():  # like the reference (the memory may be reused)
-            host.zero_()
+            for t in parts(host):
+                t.zero_()
         self.generator = torch.Generator().manual_seed(0)
 
     def blocks(self, t: torch.Tensor, ids: list[int]) -> torch.Tensor:
@@ -58,11 +77,13 @@ class Model:
         self.buffer.begin_step(step)
         read = sorted(set(resident) | set(written))
         for i, name in enumerate(self.names):
-            new = torch.randn(*self.blocks(self.truth[name], written).shape, generator=self.generator)
-            new = new.to(torch.bfloat16)
-            self._set(self.views[name], written, new)  # vLLM's cache update
-            self._set(self.truth[name], written, new)
-            if not torch.equal(self.blocks(self.views[name], read), self.blocks(self.truth[name], read)):
+            for view, truth in zip(parts(self.views[name]), parts(self.truth[name])):
+                new = torch.randn(*self.blocks(truth, written).shape, generator=self.generator)
+                new = new.to(torch.bfloat16)
+                self._set(view, written, new)  # vLLM's cache update
+                self._set(truth, written, new)
+            if not all(torch.equal(self.blocks(view, read), self.blocks(truth, read))
+                       for view, truth in zip(parts(self.views[name]), parts(self.truth[name]))):
                 wrong.append(name)
             self.buffer.layer_done(i)
             if after_layer is not None:
@@ -74,8 +95,8 @@ class Model:
 
     def host_matches(self, layer: int, ids: list[int]) -> bool:
         name = self.names[layer]
-        host = self.blocks(self.buffer.host_caches[name], ids)
-        return torch.equal(host, self.blocks(self.truth[name], ids).cpu())
+        return all(torch.equal(self.blocks(host, ids), self.blocks(truth, ids).cpu())
+                   for host, truth in zip(parts(self.buffer.host_caches[name]), parts(self.truth[name])))
 
     def _set(self, t: torch.Tensor, ids: list[int], value: torch.Tensor) -> None:
         if self.kv_split:
@@ -84,7 +105,7 @@ class Model:
             t[ids] = value.to(t.device)
 
     def _apply_to_truth(self, step: BufferStep) -> None:
-        for t in self.truth.values():
+        for t in (t for cache in self.truth.values() for t in parts(cache)):
             self._set(t, step.zeroed, torch.zeros_like(self.blocks(t, step.zeroed)))
             for src, dst in step.copies:
                 self._set(t, [dst], self.blocks(t, [src]).clone())
@@ -139,6 +160,29 @@ def test_kv_split_layout_moves_both_planes(device, copies):
     assert model.step(resident=[], written=[*range(8), 9]) == []
     assert model.step(resident=[*range(8), 9], written=[9, 10]) == []
     assert model.step(resident=list(range(11)), written=[11], copies=[(0, 13)]) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("copies", COPIES)
+@pytest.mark.parametrize("form", TUPLE_FORMS)
+def test_vllm_ascends_tuple_caches_stream_every_tensor(device, copies, form):
+    """vllm-ascend's runner on a shared_by plan: each buffer's K and V (MLA: nope and rope) are
+    separate allocations, and every layer of the buffer is handed that same tuple."""
+    model = Model(device, 6, 2, copies=copies, form=form)
+    assert model.step(resident=[], written=list(range(8))) == []
+    assert model.step(resident=list(range(8)), written=[8]) == []
+    assert model.step(resident=[2, 3, 7, 9], written=[9], zeroed=[9], copies=[(2, 7)]) == []
+    assert all(model.host_matches(layer, [0, 5, 8]) for layer in range(6))
+    assert all(isinstance(host, tuple) and len(host) == 2 for host in model.buffer.host_caches.values())
+
+
+def test_tuple_caches_not_laid_out_for_the_buffer_are_refused():
+    # One tensor of the tuple shared, the other not: vLLM's runner did not hand the buffer's pair.
+    k = torch.zeros(NUM_BLOCKS, 16, 32, dtype=torch.bfloat16)
+    names = [f"layer.{i}" for i in range(4)]
+    caches = {n: (k, torch.zeros_like(k)) for n in names}
+    with pytest.raises(ValueError, match="transfer_mode dynamic_buffer: layer layer.2 is not the memory of buffer 0"):
+        LayerBuffer(caches, names, NUM_BLOCKS, 2, 1 << 20)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -246,16 +290,19 @@ class ResidentModel:
     """Pinned blocks: L layers on S buffers of ``NUM_BLOCKS`` + private blocks, the forward reading and
     writing through vLLM-like block table and slot mapping tensors that the buffer remaps per layer."""
 
-    def __init__(self, device: str, layers: int, buffers: int, resident: int, copies: str = "mixed"):
+    def __init__(self, device: str, layers: int, buffers: int, resident: int, copies: str = "mixed",
+                 form: str = "tensor"):
         self.names = [f"layer.{i}" for i in range(layers)]
         total = NUM_BLOCKS + private_blocks(layers, buffers, resident)
         backing = torch.zeros(buffers, total, *PAGE, dtype=torch.bfloat16, device=device)
+        if form == "kv":  # vllm-ascend's: K and V of a buffer separate allocations (copies of the backing's)
+            backing = [(b[:, 0].clone(), b[:, 1].clone()) for b in backing]
         self.views = {n: backing[i % buffers] for i, n in enumerate(self.names)}
         self.truth = {n: torch.zeros(NUM_BLOCKS, *PAGE, dtype=torch.bfloat16) for n in self.names}
         self.buffer = LayerBuffer(self.views, self.names, total, buffers, 1 << 20, COPIES[copies],
                                   resident_blocks=resident, block_tokens=PAGE[1])
-        for host in self.buffer.host_caches.values():
-            host.zero_()
+        for t in (t for host in self.buffer.host_caches.values() for t in parts(host)):
+            t.zero_()
         self.device = device
         self.generator = torch.Generator().manual_seed(0)
 
@@ -274,9 +321,9 @@ class ResidentModel:
         wrong = []
         for i, name in enumerate(self.names):
             new = torch.randn(len(written), *PAGE, generator=self.generator).to(torch.bfloat16)
-            self.views[name][slots // PAGE[1]] = new.to(self.device)  # the cache update, through the slot mapping
+            _write(self.views[name], slots // PAGE[1], new.to(self.device))  # the cache update, through the slot mapping
             self.truth[name][written] = new
-            if not torch.equal(self.views[name][table[0].long()].cpu(), self.truth[name][ids]):  # attention
+            if not torch.equal(_read(self.views[name], table[0].long()).cpu(), self.truth[name][ids]):  # attention
                 wrong.append(name)
             self.buffer.layer_done(i)
             self.buffer.before_layer(i + 1)
@@ -285,14 +332,28 @@ class ResidentModel:
         return wrong
 
     def host_matches(self, ids: list[int]) -> bool:
-        return all(torch.equal(self.buffer.host_caches[n][ids], self.truth[n][ids]) for n in self.names)
+        return all(torch.equal(_read(self.buffer.host_caches[n], ids), self.truth[n][ids]) for n in self.names)
+
+
+def _read(cache, ids) -> torch.Tensor:
+    """Blocks ``ids`` of a cache as ``[n, *PAGE]``, from one tensor or a ``(k, v)`` tuple."""
+    return cache[ids] if isinstance(cache, torch.Tensor) else torch.stack([t[ids] for t in cache], 1)
+
+
+def _write(cache, ids, value: torch.Tensor) -> None:
+    if isinstance(cache, torch.Tensor):
+        cache[ids] = value
+    else:
+        for i, t in enumerate(cache):
+            t[ids] = value[:, i]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("copies", COPIES)
 @pytest.mark.parametrize("layers,buffers", [(6, 2), (7, 3)])
-def test_pinned_blocks_are_read_and_written_at_each_layers_private_place(device, copies, layers, buffers):
-    model = ResidentModel(device, layers, buffers, resident=4, copies=copies)
+@pytest.mark.parametrize("form", ["tensor", "kv"])
+def test_pinned_blocks_are_read_and_written_at_each_layers_private_place(device, copies, layers, buffers, form):
+    model = ResidentModel(device, layers, buffers, resident=4, copies=copies, form=form)
     high = [(1, 0), (2, 1), (3, 2)]
     assert model.step(read=[], written=[1, 2, 3], pinned=high) == []  # prefill, pinned from the start
     assert model.step(read=[1, 2, 3], written=[3], pinned=high) == []  # decode: nothing of it loaded

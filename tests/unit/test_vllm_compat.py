@@ -48,7 +48,8 @@ def test_the_probes_agree_with_the_vllm_installed():
     from vllm.v1.outputs import KVConnectorOutput
 
     fields = {f.name for f in dataclasses.fields(KVCacheTensor)}
-    assert vllm_compat.aliases_layers() == ("layer_stride" in fields)
+    assert vllm_compat.buffer_plan_form() == ("layers" if "layer_stride" in fields else "shared_by")
+    assert vllm_compat.buffer_internals_missing() == []  # every supported vLLM has one form of the plan
     assert vllm_compat.reports_failed_requests() == ("failed_recving" in KVConnectorOutput.__dataclass_fields__)
     # Only a vLLM that asks get_transfer_results has its result type.
     assert hasattr(base.KVConnectorBase_V1, "get_transfer_results") == hasattr(base, "KVConnectorTransferResults")
@@ -62,10 +63,25 @@ def test_the_probes_agree_with_the_vllm_installed():
 # wheel into .vllm033, as the index has no CPU build of it), so no engine runs on them here.
 PROBE = """
 import inspect, json
+import torch
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm_aio import vllm_compat
 from vllm_aio.connector.connector import AioConnector
+
+def plan():  # a 5-layer plan in this vLLM's own form, as its planner makes it, put on 2 buffers
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm_aio.buffer.plan import alias_layers
+
+    names, page = [f"layer.{i}" for i in range(5)], 4096
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    if vllm_compat.buffer_plan_form() == "shared_by":
+        tensors = [KVCacheTensor(size=10 * page, shared_by=[n]) for n in names]
+    else:
+        tensors = [KVCacheTensor(size=50 * page, layers=names, layer_stride=10 * page, block_stride=page)]
+    planned = alias_layers(KVCacheConfig(10, tensors, [KVCacheGroupSpec(names, spec)]), 2)
+    return [[t.size, getattr(t, "shared_by", None) or t.layers, getattr(t, "offset", 0)]
+            for t in planned.kv_cache_tensors]
 
 def params(fn):
     return list(inspect.signature(fn).parameters)
@@ -76,7 +92,8 @@ hooks = {name: (params(getattr(AioConnector, name)), params(getattr(KVConnectorB
 sleep_mode = AioConnector.supports_sleep_mode(None) if hasattr(KVConnectorBase_V1, "supports_sleep_mode") else None
 print(json.dumps({"version": vllm.__version__, "hooks": hooks,
                   "failed_recving": vllm_compat.reports_failed_requests(),
-                  "aliases_layers": vllm_compat.aliases_layers(),
+                  "plan_form": vllm_compat.buffer_plan_form(),
+                  "plan": plan(),
                   "cache_hit_source": vllm_compat.host_cache_hit_source() is not None,
                   "buffer_missing": vllm_compat.buffer_internals_missing(),
                   "sleep_mode": sleep_mode}))
@@ -111,15 +128,20 @@ def test_the_connector_imports_on_vllm_0_23_and_its_hooks_take_that_versions_par
     assert found["version"] == "0.23.0"
     assert "get_finished" in found["hooks"] and "register_kv_caches" in found["hooks"]
     # What 0.23 lacks, the seams say so (and the settings that need it refuse at start).
-    assert (found["failed_recving"], found["aliases_layers"], found["cache_hit_source"]) == (False, False, False)
-    assert "KVCacheTensor.layers" in found["buffer_missing"] and found["sleep_mode"] is None
+    assert (found["failed_recving"], found["cache_hit_source"]) == (False, False)
+    assert found["sleep_mode"] is None
+    # The dynamic buffer plans there in 0.23's form: buffer b's tensor shared by the layers l % 2 == b.
+    assert found["buffer_missing"] == [] and found["plan_form"] == "shared_by"
+    assert found["plan"] == [[10 * 4096, ["layer.0", "layer.2", "layer.4"], 0], [10 * 4096, ["layer.1", "layer.3"], 0]]
 
 
 def test_the_connector_imports_on_vllm_0_33_and_its_hooks_take_that_versions_parameters():
     found = probe(".vllm033")
     assert found["version"] == "0.33.0"
     assert {"get_transfer_results", "register_kv_caches", "supports_sleep_mode"} <= set(found["hooks"])
-    assert (found["failed_recving"], found["aliases_layers"], found["cache_hit_source"]) == (True, True, True)
+    assert (found["failed_recving"], found["plan_form"], found["cache_hit_source"]) == (True, "layers", True)
+    region = 10 * 4096  # each layer at its buffer's offset of one 2-region allocation
+    assert found["plan"] == [[2 * region, [f"layer.{i}"], (i % 2) * region] for i in range(5)]
     # The planner moved to kv_cache_planning and took a fourth parameter: the buffer finds and wraps it.
     assert found["buffer_missing"] == []
     assert found["sleep_mode"] is False  # the connector refuses sleep mode (AioConnector.supports_sleep_mode)

@@ -122,7 +122,10 @@ class Copier:
         """``private_base(layer)``: the layer's first private block id in its buffer, ``resident_blocks``
         (P) of them for each layer."""
         self.device, self._host, self._dev = device, host.layout, device_layout
-        self._mapped = host.mapped_layout
+        # The swap kernel takes a layer's planes as one strided tensor: not where a layer's tensors are
+        # separate allocations on the device (vllm-ascend's (k, v)); those blocks are staged.
+        stack = all(device_layout.stackable(i) for i in range(len(device_layout.planes)))
+        self._mapped = host.mapped_layout if stack else None
         self._buffers, self._layers = buffers, len(device_layout.planes)
         self._private_base, self._resident_blocks = private_base, resident_blocks
         self.stream = device.new_stream()

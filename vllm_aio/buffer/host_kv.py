@@ -2,19 +2,21 @@
 
 One allocation for every layer (page-locked on accelerators; page-locking costs
 per call, and ``Device.host_memory`` takes exactly the bytes asked for), each
-layer's region starting on a page and laid out as its device cache, so a block
-is at the same place in both. Where the device maps host memory (CUDA), the
-same bytes are also viewed as device tensors, for kernels that move scattered
-blocks across the link without staging.
+cache tensor's region starting on a page and laid out as on the device, so a
+block is at the same place in both; a layer's cache is a tensor (vLLM's) or a
+tuple of them (vllm-ascend's ``(k, v)``, MLA's ``(nope, rope)``), and its host
+copy takes the same form. Where the device maps host memory (CUDA), the same
+bytes are also viewed as device tensors, for kernels that move scattered blocks
+across the link without staging.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from vllm_aio.block_layout import BlockLayout
+from vllm_aio.block_layout import BlockLayout, LayerCache, cache_tensors
 from vllm_aio.device import Device, HostMemory
 
 # Each layer's region of the host copy starts on a page.
@@ -22,7 +24,7 @@ _HOST_ALIGN = 4096
 
 
 class HostKV:
-    def __init__(self, device: Device, device_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str],
+    def __init__(self, device: Device, device_caches: Mapping[str, LayerCache], layer_names: Sequence[str],
                  num_blocks: int, keep: int) -> None:
         """The first ``keep`` of the device caches' ``num_blocks`` blocks (vLLM's; the private ones stay
         on the device) of every layer."""
@@ -36,7 +38,7 @@ class HostKV:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.caches.values())
+        return sum(t.nbytes for cache in self.caches.values() for t in cache_tensors(cache))
 
     def release(self) -> None:
         """After the device's last copy: the memory no longer page-locked (views stay readable)."""
@@ -44,43 +46,45 @@ class HostKV:
 
 
 def _host_copy(
-    device: Device, caches: Mapping[str, torch.Tensor], names: Sequence[str]
-) -> tuple[HostMemory, dict[str, torch.Tensor]]:
-    """One host allocation for every layer's full KV, viewed per layer (contiguous, the caches' shapes).
-
-    One allocation, not one per layer: page-locking costs per call, and
-    ``Device.host_memory`` takes exactly the bytes asked for.
-    """
+    device: Device, caches: Mapping[str, LayerCache], names: Sequence[str]
+) -> tuple[HostMemory, dict[str, LayerCache]]:
+    """One host allocation for every layer's full KV, viewed per layer as its cache is (each tensor
+    contiguous, in its shape)."""
     offsets, end = [], 0
     for name in names:
-        offsets.append(end)
-        end += -(-caches[name].nbytes // _HOST_ALIGN) * _HOST_ALIGN
+        for t in cache_tensors(caches[name]):
+            offsets.append(end)
+            end += -(-t.nbytes // _HOST_ALIGN) * _HOST_ALIGN
     memory = device.host_memory(end)
-    views = {}
-    for name, offset in zip(names, offsets):
-        cache = caches[name]
-        views[name] = memory.tensor[offset : offset + cache.nbytes].view(cache.dtype).view(cache.shape)
-    return memory, views
+    starts = iter(offsets)
+    return memory, {name: _like(caches[name], lambda t: _view(memory.tensor, next(starts), t)) for name in names}
 
 
-def _device_views(memory: HostMemory, host_caches: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """Each layer's host copy as a tensor on the device (same bytes, mapped), or None where unmapped."""
+def _device_views(memory: HostMemory, host_caches: Mapping[str, LayerCache]) -> dict[str, LayerCache] | None:
+    """Each layer's host copy as tensors on the device (same bytes, mapped), or None where unmapped."""
     whole = memory.device_view()
     if whole is None:
         return None
     base = memory.tensor.data_ptr()
-    views = {}
-    for name, t in host_caches.items():
-        offset = t.data_ptr() - base
-        views[name] = whole[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-    return views
+    return {name: _like(cache, lambda t: _view(whole, t.data_ptr() - base, t)) for name, cache in host_caches.items()}
 
 
-def _first_blocks(cache: torch.Tensor, num_blocks: int, keep: int) -> torch.Tensor:
-    """``cache``'s first ``keep`` of ``num_blocks`` blocks (``[num_blocks, ...]`` or ``[2, num_blocks, ...]``)."""
+def _first_blocks(cache: LayerCache, num_blocks: int, keep: int) -> LayerCache:
+    """``cache``'s first ``keep`` of ``num_blocks`` blocks (``[num_blocks x m, ...]`` or ``[2, num_blocks, ...]``)."""
     if keep == num_blocks:
         return cache
-    return cache[:keep] if cache.shape[0] == num_blocks else cache[:, :keep]
+    return _like(cache, lambda t: t[:, :keep] if t.dim() > 1 and t.shape[:2] == (2, num_blocks)
+                 else t[: keep * (t.shape[0] // num_blocks)])
+
+
+def _view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """``like``'s bytes at ``offset`` of ``flat`` (uint8), in ``like``'s dtype and shape."""
+    return flat[offset : offset + like.nbytes].view(like.dtype).view(like.shape)
+
+
+def _like(cache: LayerCache, make: Callable[[torch.Tensor], torch.Tensor]) -> LayerCache:
+    """``make`` applied to each tensor of ``cache``, in its form (a tensor, or a tuple of them)."""
+    return make(cache) if isinstance(cache, torch.Tensor) else tuple(make(t) for t in cache)
 
 
 def words(rows: torch.Tensor) -> torch.Tensor:

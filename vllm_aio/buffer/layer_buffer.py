@@ -43,13 +43,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from vllm_aio.block_layout import BlockLayout
+from vllm_aio.block_layout import BlockLayout, LayerCache, cache_tensors
 from vllm_aio.buffer.copier import DIRECT_COPY_BYTES, Copier
 from vllm_aio.buffer.host_kv import HostKV
 from vllm_aio.buffer.plan import private_blocks
 from vllm_aio.buffer.remap import BlockRemap
 from vllm_aio.buffer.steps import StepPlanner
-from vllm_aio.device import Device
+from vllm_aio.device import Device, npu_private_format
 from vllm_aio.log import get_logger
 from vllm_aio.shared.metadata import BufferStep
 
@@ -58,14 +58,14 @@ logger = get_logger(__name__)
 
 class LayerBuffer:
     def __init__(
-        self, device_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int,
+        self, device_caches: Mapping[str, LayerCache], layer_names: Sequence[str], num_blocks: int,
         buffers: int, staging_bytes: int, direct_copy_bytes: int = DIRECT_COPY_BYTES, resident_blocks: int = 0,
         block_tokens: int = 0,
     ) -> None:
         """``num_blocks``: the device caches' blocks, the private ones of ``resident_blocks`` (P per
         layer) included; ``block_tokens``: tokens per block (with resident blocks: vLLM's slot mapping)."""
         check_buffers_shared(device_caches, layer_names, buffers)
-        self.device = Device(device_caches[layer_names[0]].device)
+        self.device = Device(cache_tensors(device_caches[layer_names[0]])[0].device)
         # vLLM's blocks; the private ones follow them in the device caches.
         self.num_blocks = num_blocks - private_blocks(len(layer_names), buffers, resident_blocks)
         self.host = HostKV(self.device, device_caches, layer_names, num_blocks, self.num_blocks)
@@ -85,7 +85,7 @@ class LayerBuffer:
         self._streams = False
 
     @property
-    def host_caches(self) -> dict[str, torch.Tensor]:
+    def host_caches(self) -> dict[str, LayerCache]:
         """Every layer's vLLM blocks in host memory, indexed like the device caches."""
         return self.host.caches
 
@@ -172,20 +172,21 @@ class LayerBuffer:
         return self._remap.private_base(layer) if self._remap is not None else self.num_blocks
 
 
-def check_buffers_shared(caches: Mapping[str, torch.Tensor], layer_names: Sequence[str], buffers: int) -> None:
+def check_buffers_shared(caches: Mapping[str, LayerCache], layer_names: Sequence[str], buffers: int) -> None:
     """Refuse caches that vLLM did not lay out for the buffer: layer ``l`` must be buffer ``l % S``'s
-    memory (``plan.py``). Unshared, every layer keeps KV memory of its own: the buffer would
-    stream nothing, and vLLM would run on the blocks of a cache that was never re-planned."""
+    memory (``plan.py``), every tensor of it where a layer's cache is a tuple (vllm-ascend's).
+    Unshared, every layer keeps KV memory of its own: the buffer would stream nothing, and vLLM
+    would run on the blocks of a cache that was never re-planned."""
     for name in layer_names:
-        if not isinstance(caches[name], torch.Tensor):
+        if (private := next(filter(None, map(npu_private_format, cache_tensors(caches[name]))), None)) is not None:
             raise ValueError(
-                f"transfer_mode dynamic_buffer: layer {name}'s KV cache is {type(caches[name]).__name__} of tensors, as "
-                "vllm-ascend's NPU runner allocates it; the buffer lays out vLLM's own allocation (one tensor a "
-                "layer), which vllm-ascend replaces: use another transfer mode there"
+                f"transfer_mode dynamic_buffer: layer {name}'s KV cache is in the NPU's {private} format (vllm-ascend "
+                "on Ascend 310P), whose blocks cannot be copied by their strides; the buffer runs on Atlas A2/A3 "
+                "(ND caches) with vllm-ascend on vLLM 0.23-0.28"
             )
     for i, name in enumerate(layer_names[buffers:], start=buffers):
         first = layer_names[i % buffers]
-        if caches[name].data_ptr() != caches[first].data_ptr():
+        if [t.data_ptr() for t in cache_tensors(caches[name])] != [t.data_ptr() for t in cache_tensors(caches[first])]:
             raise ValueError(
                 f"transfer_mode dynamic_buffer: layer {name} is not the memory of buffer {i % buffers} ({first}): "
                 "vLLM did not re-plan its KV cache for the buffer. The vllm_aio_buffer_plan plugin does, "

@@ -1,26 +1,23 @@
 """Re-plans vLLM's KV cache for ``transfer_mode: dynamic_buffer``: L layers on S buffers.
 
-vLLM sizes its KV cache in ``get_kv_cache_configs`` (v1/core/kv_cache_planning.py
-from vLLM 0.33, v1/core/kv_cache_utils.py before: ``vllm_compat`` finds it):
-blocks = memory / (page x L). With the dynamic buffer only S layer buffers
-live on the device, so the plan is made for L/S times the memory (L/S times
-the blocks) and then every layer is placed on buffer ``l % S``: one
-``KVCacheTensor`` per layer at offset ``(l % S) x region`` of one backing
-allocation of ``S x region`` bytes, exactly the memory vLLM measured. Layers
-sharing a buffer alias the same bytes; the worker
-(``buffer/layer_buffer.py``) streams each layer's blocks in from host
-memory before it runs and writes new K/V back before the buffer is reused.
+vLLM sizes its KV cache in ``get_kv_cache_configs`` (``vllm_compat`` finds it):
+blocks = memory / (page x L). With the dynamic buffer only S layer buffers live
+on the device, so the plan is made for L/S times the memory (L/S times the
+blocks) and every layer is then placed on buffer ``l % S``, in the form this
+vLLM's runners allocate (``vllm_compat.buffer_plan_form``): from vLLM 0.29 one
+``KVCacheTensor`` per layer at offset ``(l % S) x region`` of one ``S x region``
+allocation; on 0.23-0.28 S tensors, buffer ``b``'s ``shared_by`` naming the
+layers ``l % S == b`` (vllm-ascend's runner gives those layers one ``(k, v)``
+pair). Either way the device holds exactly the memory vLLM measured; the worker
+(``buffer/layer_buffer.py``) streams each layer's blocks in from host memory
+before it runs and writes new K/V back before the buffer is reused.
 
 With ``dynamic_buffer_resident_blocks`` (P), each buffer also holds P private
-blocks for every layer placed on it (``private_blocks``: P x ceil(L/S) past
-vLLM's blocks, so the plan's blocks per buffer stay what memory allows): the
-workers' views cover them, and the scheduler's block pool is that many blocks
-smaller, so vLLM never hands them out (``buffer/residency.py`` does).
-
-This module is a ``vllm.general_plugins`` entry point (see setup.py): vLLM
-calls ``register`` in each of its processes before the KV cache is planned.
-It changes nothing unless the AioConnector is configured with
-``transfer_mode: dynamic_buffer`` (S is ``dynamic_buffer_count``).
+blocks for every layer placed on it (``private_blocks``), and the scheduler's
+block pool is that many blocks smaller, so vLLM never hands them out
+(``buffer/residency.py`` does). ``register`` is a ``vllm.general_plugins`` entry
+point (setup.py), called in each vLLM process before the KV cache is planned;
+it changes nothing unless the AioConnector runs with the dynamic buffer.
 """
 
 from __future__ import annotations
@@ -123,8 +120,14 @@ def reserve_private(config: Any, private: int) -> None:
 
 
 def refuse_unsupported(vllm_config: Any) -> None:
-    """Features that run layers out of order or skip the per-layer hooks."""
+    """Features that run layers out of order or skip the per-layer hooks, and runners that cannot alias."""
     refuse_full_graphs(TransferMode.DYNAMIC_BUFFER, vllm_config)
+    if vllm_compat.buffer_plan_form() == vllm_compat.LAYERS_FORM and vllm_compat.device_type() == "npu":
+        raise ConfigError(
+            f"transfer_mode dynamic_buffer: vllm-ascend on vLLM {vllm_compat.vllm_version()} allocates every "
+            "layer's KV apart (the layers/layer_stride plan), so layers cannot share a buffer; it works on "
+            "vllm-ascend with vLLM 0.23-0.28 (shared_by plans)"
+        )
     if vllm_config.speculative_config is not None:
         raise ConfigError("transfer_mode dynamic_buffer: speculative decoding (draft layers) is not supported")
     if getattr(vllm_config.parallel_config, "enable_dbo", False):
@@ -132,13 +135,20 @@ def refuse_unsupported(vllm_config: Any) -> None:
 
 
 def alias_layers(config: Any, buffers: int) -> Any:
-    """Put layer ``l`` of the single layer-outermost tensor on buffer ``l % buffers``."""
+    """Put layer ``l`` of a one-group plan on buffer ``l % buffers``, in this vLLM's form."""
     if len(config.kv_cache_groups) != 1:
         raise ConfigError(
             f"transfer_mode dynamic_buffer: hybrid models are not supported ({len(config.kv_cache_groups)} KV cache "
             "groups): vLLM overlays the groups' layers in shared tensors, and the buffer's layer ring would have "
             "to stream the layers of every group that owns a block of the step; run it without the buffer"
         )
+    if vllm_compat.buffer_plan_form() == vllm_compat.SHARED_BY_FORM:
+        return _shared_by(config, buffers)
+    return _at_offsets(config, buffers)
+
+
+def _at_offsets(config: Any, buffers: int) -> Any:
+    """vLLM 0.29+: the single layer-outermost tensor's layers at offsets of one ``buffers x region`` allocation."""
     if len(config.kv_cache_tensors) != 1:
         raise ConfigError(
             "transfer_mode dynamic_buffer: needs a model with one KV cache group of one layer shape "
@@ -156,3 +166,24 @@ def alias_layers(config: Any, buffers: int) -> Any:
         for i, name in enumerate(tensor.layers)
     ]
     return vllm_compat.with_kv_cache_tensors(config, layers)
+
+
+def _shared_by(config: Any, buffers: int) -> Any:
+    """vLLM 0.23-0.28: one tensor a layer becomes ``buffers`` tensors, each shared by every
+    ``buffers``-th layer (packed layouts, 0.26+'s non-zero ``block_stride``, are left out)."""
+    tensors = config.kv_cache_tensors
+    if any(len(t.shared_by) != 1 or getattr(t, "block_stride", 0) or getattr(t, "offset", 0) for t in tensors):
+        raise ConfigError(
+            "transfer_mode dynamic_buffer: needs a plan of one KV cache tensor per layer (got a packed or shared "
+            "layout); run it without the buffer"
+        )
+    if len({t.size for t in tensors}) != 1:
+        raise ConfigError(
+            "transfer_mode dynamic_buffer: needs a model with one KV cache group of one layer shape "
+            f"(got layer tensors of {len({t.size for t in tensors})} sizes)"
+        )
+    names = list(config.kv_cache_groups[0].layer_names)  # the forward's order, as the worker's layer index
+    if sorted(names) != sorted(t.shared_by[0] for t in tensors):
+        raise ConfigError("transfer_mode dynamic_buffer: the plan's tensors are not the KV cache group's layers")
+    shared = [vllm_compat.shared_kv_cache_tensor(tensors[0].size, names[b::buffers]) for b in range(buffers)]
+    return vllm_compat.with_kv_cache_tensors(config, shared)
