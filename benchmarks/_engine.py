@@ -15,17 +15,18 @@ spec: {"model", "max_model_len", "enable_prefix_caching", "kv_transfer_config",
        and where given vLLM's "load_format", "dtype", "max_num_seqs", "gpu_memory_utilization",
        "kv_cache_memory_bytes"
 stdin: one JSON command per line: {"label": str, "prompt": [ids]} (or [[ids], ...]: prompts sent
-       together; "reset_prefix_cache": true empties vLLM's prefix cache first, untimed) or
-       {"exit": true}
+       together; "reset_prefix_cache": true empties vLLM's prefix cache first, untimed; "max_tokens":
+       tokens each generates, 1 unless given, never stopping early) or {"exit": true}
 RESULT_FD: one JSON line per event: {"ready": true, "init_s", "warmup": step}
            after start and the warm-up request ("warmup": null without it: the first request is then
            the first command's), then one step per command:
-           {"label", "prompt_len", "cached", "wall_s", "ttft_s", "engine_s"} (and "reset": whether
+           {"label", "prompt_len", "cached", "wall_s", "ttft_s", "ttft_mean_s", "engine_s"} (and "reset": whether
            vLLM emptied its prefix cache, when asked), and on exit {"exit": true, "aio": {counter: value}}.
 
 ``wall_s`` is the wall time of ``llm.generate``; ``ttft_s`` vLLM's own
 first-token latency (request arrival to first token, ``RequestOutput.metrics``,
-which needs ``disable_log_stats=False``); ``engine_s`` the engine core's
+which needs ``disable_log_stats=False``; the slowest of prompts sent together,
+``ttft_mean_s`` their mean); ``engine_s`` the engine core's
 scheduled-to-first-token time (the step itself, without queueing and IPC).
 ``aio`` holds AioConnector's own counters (``vllm:aio_<name>_total``; empty for
 other engines), read after one more short request: a load that failed is
@@ -86,24 +87,26 @@ def serve(spec_path: str, result_fd: int) -> None:
         **{k: spec[k] for k in ENGINE_OPTIONS if k in spec},
     )
     init_s = time.perf_counter() - t0
-    params = SamplingParams(max_tokens=1, temperature=0)
-
-    def step(label: str, prompt: list[int] | list[list[int]]) -> dict:
+    def step(label: str, prompt: list[int] | list[list[int]], max_tokens: int = 1) -> dict:
         """One prompt, or several sent together (one ``generate``: they share its steps); for several,
         the slowest first token and the sums of their prompt and cached tokens."""
         batch = prompt if prompt and isinstance(prompt[0], list) else [prompt]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         start = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
         wall = time.perf_counter() - start
         ttft = engine = 0.0
+        firsts = []
         for m in (out.metrics for out in outs if out.metrics is not None):
-            ttft = max(ttft, getattr(m, "first_token_latency", 0.0))
+            firsts.append(getattr(m, "first_token_latency", 0.0))
+            ttft = max(ttft, firsts[-1])
             engine = max(engine, (m.first_token_ts - m.scheduled_ts) if m.scheduled_ts else 0.0)
         cached, total = sum(o.num_cached_tokens for o in outs), sum(len(o.prompt_token_ids) for o in outs)
         print(f"[bench] {label}: wall={wall * 1e3:.1f}ms ttft={ttft * 1e3:.1f}ms "
               f"engine={engine * 1e3:.1f}ms cached={cached}/{total}", flush=True)
         return {"label": label, "prompt_len": total, "cached": cached,
-                "wall_s": wall, "ttft_s": ttft if ttft > 0 else wall, "engine_s": engine,
+                "wall_s": wall, "ttft_s": ttft if ttft > 0 else wall,
+                "ttft_mean_s": sum(firsts) / len(firsts) if firsts and ttft > 0 else wall, "engine_s": engine,
                 "t": time.time()}
 
     warmup = step("warmup", spec["warmup"]) if spec.get("warmup_at_start", True) else None
@@ -114,7 +117,7 @@ def serve(spec_path: str, result_fd: int) -> None:
             break
         # Before the step: its latency is the request's alone. False when vLLM refused (blocks in use).
         reset = {"reset": llm.reset_prefix_cache()} if cmd.get("reset_prefix_cache") else {}
-        results.write(json.dumps({**step(cmd["label"], cmd["prompt"]), **reset}) + "\n")
+        results.write(json.dumps({**step(cmd["label"], cmd["prompt"], cmd.get("max_tokens", 1)), **reset}) + "\n")
     step("flush", spec["warmup"][:8])  # the step that reports the last request's failed loads
     prefix = "vllm:aio_"
     counters = {m.name[len(prefix):]: m.value for m in llm.get_metrics() if m.name.startswith(prefix)}
@@ -206,8 +209,8 @@ class EngineProc:
         return self.ready
 
     def request(self, label: str, prompt: list[int] | list[list[int]], timeout: float,
-                reset_prefix_cache: bool = False) -> dict:
-        cmd = {"label": label, "prompt": prompt, "reset_prefix_cache": reset_prefix_cache}
+                reset_prefix_cache: bool = False, max_tokens: int = 1) -> dict:
+        cmd = {"label": label, "prompt": prompt, "reset_prefix_cache": reset_prefix_cache, "max_tokens": max_tokens}
         try:
             self.proc.stdin.write(json.dumps(cmd) + "\n")
             self.proc.stdin.flush()

@@ -5,7 +5,7 @@ Benchmarks measure, tests do not: this only keeps the scripts from rotting
 that run real vLLM engines (and ``migration``, two ``vllm serve``) take a minute or more, mostly starting them:
 they start side by side when the first test runs and their tests wait for
 them (their engines' OpenMP threads unpinned, as the engine tests run theirs), while the
-others run one at a time meanwhile. ``priority`` and ``soak``
+others run one at a time meanwhile. ``priority``, ``soak`` and ``buffer_capacity``
 (one engine or server at a time, one torch thread each) then start side by
 side: alone, each kept one of the two cores busy. ``serve`` (a server and
 vLLM's benchmark client, twice) comes last, alone. Under ``CI`` a missing
@@ -47,11 +47,12 @@ SCRIPTS = {
     "migration": (("vllm", "mooncake"), "model"),
     "priority": (("vllm",), "system"),  # one engine at a time: run beside the others
     "soak": (("vllm",), "soak"),  # one server at a time, as priority
+    "buffer_capacity": (("vllm",), "system"),  # three engines one after the other, as priority
     "serve": (("vllm",), "config"),  # two servers one after the other, each with vLLM's client: alone, last
 }
 ENGINE_SCRIPTS = ("ttft", "mooncake_ttft", "gpu_ttft", "migration")
 # Started together when the first of them is tested: after the engine scripts' tests (SCRIPTS' order).
-LATE_SCRIPTS = ("priority", "soak")
+LATE_SCRIPTS = ("priority", "soak", "buffer_capacity")
 # One torch thread beside the engines: threads spinning at OpenMP barriers on busy cores made a
 # two-second run take a minute, and slowed the engines down too.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
