@@ -36,6 +36,7 @@ import numpy as np
 from vllm_aio.backends.base import Backend, Segment, Status, distinct_only
 from vllm_aio.backends.segments import FlatSegments
 from vllm_aio.host_copy import copy_many
+from vllm_aio.pool import reaper
 from vllm_aio.pool.host_pool import SLOT_STORED, SharedHostPool, slots_for
 from vllm_aio.pool.ids import BlockGroups, ValueIds, key_groups, key_ids, namespace_groups, value_ids
 from vllm_aio.pool.keys import BlockParts
@@ -58,6 +59,8 @@ class LocalBackend(Backend):
         self._closed = False
         if seal:
             self.pool.seal()
+        if shared:  # its processes may all end without detaching (vLLM's default stop, a kill)
+            reaper.watch(name)
         self.pool.warm_up()  # opened at engine start: the first request compiles nothing
 
     def shared_store(self) -> str | None:

@@ -31,16 +31,16 @@ import requests
 from vllm_aio.devtools.greedy import agreement, top_two_gap
 
 
-def server_args(max_num_seqs: int, max_model_len: int = 8192) -> list[str]:
+def server_args(max_num_seqs: int, max_model_len: int = 8192, shutdown_timeout: int | None = 30) -> list[str]:
     """``vllm serve`` flags for runs compared token for token: float32 (in bf16 the batch a request
     shares a step with moves its logprobs by up to ~0.03, and near ties are common; in float32 two
     runs differ by ~1e-5), vLLM's own prefix cache off (every cached token is then a pool hit),
-    cached tokens reported per request, and a shutdown that lets the engine's processes detach
-    from a named pool (vLLM's default aborts: it kills them first, and the pool's file then stays
-    until the next pool created on the host sweeps it)."""
+    cached tokens reported per request, and a shutdown that drains (``None``: vLLM's default,
+    which kills the engine's processes before the connector shuts down)."""
+    drain = [] if shutdown_timeout is None else ["--shutdown-timeout", str(shutdown_timeout)]
     return ["--block-size", "32", "--max-model-len", str(max_model_len), "--no-enable-prefix-caching",
             "--enforce-eager", "--enable-prompt-tokens-details", "--dtype", "float32",
-            "--max-num-seqs", str(max_num_seqs), "--shutdown-timeout", "30"]
+            "--max-num-seqs", str(max_num_seqs), *drain]
 
 
 # The OpenMP thread count changes float rounding: pinned, as the engine tests do.

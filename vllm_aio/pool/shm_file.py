@@ -4,8 +4,9 @@
   private pool is unlinked (``seal``) as soon as its last process has
   attached, so the kernel frees it when they exit, even when killed. A pool
   shared by name is unlinked by the last process to detach; attached pids
-  are listed in its header, so one whose processes all died is swept by the
-  next pool created on this host.
+  are listed in its header, so one whose processes all ended without
+  detaching is freed by its reaper (``reaper.py``) or swept by the next pool
+  created on this host.
 * A new file gets all its memory at once (``posix_fallocate``): a page first
   touched once ``/dev/shm`` is full would kill the writer with SIGBUS.
 * The name is shared by every local user: a file is opened without following
@@ -139,21 +140,41 @@ def _allocate_file(path: Path, fd: int, size: int) -> None:
 def _sweep_dead_pools(exclude: Path) -> None:
     """Unlink pools left behind by processes that all died (crash, kill -9)."""
     for path in SHM_DIR.glob(f"{_PREFIX}*"):
-        if path == exclude:
-            continue
-        try:
-            fd = open_private(path, os.O_RDONLY)  # only our own pools: never another user's files
-        except (OSError, RuntimeError):
-            continue
-        try:
-            head = np.frombuffer(os.pread(fd, 8 * (H_FIELDS + MAX_PIDS), 0), dtype=np.int64)
-        finally:
-            os.close(fd)
-        if len(head) < H_FIELDS + MAX_PIDS or head[H_MAGIC] != MAGIC:
-            continue
-        if not any(pid_alive(int(p)) for p in head[H_FIELDS:] if p):
+        pids = None if path == exclude else _listed_pids(path)
+        if pids is not None and not any(map(pid_alive, pids)):
             path.unlink(missing_ok=True)
             lock_path(path.name[len(_PREFIX):]).unlink(missing_ok=True)
+
+
+def _listed_pids(path: Path) -> list[int] | None:
+    """The pids in the pid table of the pool at ``path``; None where it is not one of ours (or gone)."""
+    try:
+        fd = open_private(path, os.O_RDONLY)  # only our own pools: never another user's files
+    except (OSError, RuntimeError):
+        return None
+    try:
+        head = np.frombuffer(os.pread(fd, 8 * (H_FIELDS + MAX_PIDS), 0), dtype=np.int64)
+    finally:
+        os.close(fd)
+    if len(head) < H_FIELDS + MAX_PIDS or head[H_MAGIC] != MAGIC:
+        return None
+    return [int(p) for p in head[H_FIELDS:] if p]
+
+
+def free_if_abandoned(name: str) -> list[int] | None:
+    """Unlink pool ``name`` and its lock if no process of its pid table is alive, under its lock (an
+    attaching process adds its pid under it): the pids it listed, or None where it was left alone."""
+    fd = _open_current_lock(name)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        pids = _listed_pids(pool_path(name))
+        if pids is None or any(map(pid_alive, pids)):
+            return None
+        pool_path(name).unlink(missing_ok=True)
+        lock_path(name).unlink(missing_ok=True)
+        return pids
+    finally:
+        os.close(fd)  # and its flock with it
 
 
 def _open_current_lock(name: str) -> int:
