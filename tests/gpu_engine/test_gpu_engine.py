@@ -80,7 +80,9 @@ PREEMPTION = {
     "priorities": [[0, 1, 1, 1]],
     "max_num_batched_tokens": 256,
     "enable_prefix_caching": True,
-    "kv_cache_memory_bytes": None,
+    # Given, so vLLM does not profile memory (another engine of the tier starting or stopping meanwhile
+    # failed its check once); the override then takes 96 blocks of it.
+    "kv_cache_memory_bytes": 1 << 30,
     "num_gpu_blocks_override": 96,  # prompts 76 blocks, whole sequences 140: preempted ones lose theirs
     "max_tokens": 256,
     "max_model_len": 1024,
@@ -272,7 +274,10 @@ def _print_gaps(results: dict[str, dict]) -> None:
 
     print("\nengine: worst |logprob - reference| per round (tokens compared, parted at a near tie)")
     for name, result in sorted(results.items()):
-        if "rounds" not in result or name.startswith(("reference", "preemption")):
+        if "error" in result:
+            print(f"  {name}: FAILED: {_cause(result['log'] or result['error'])}")
+            continue
+        if name.startswith(("reference", "preemption")):
             continue
         mode = next((m for m in MODES if name.startswith(m)), "whole_blocks")
         want = results[_reference(mode)].get("rounds", [])
@@ -291,6 +296,13 @@ def _print_gaps(results: dict[str, dict]) -> None:
         print(f"  {name}: {' '.join(cells)}" + (f" (failed_hit_tokens {failed:.0f})" if failed else ""))
         for line in shapes:
             print(line)
+
+
+def _cause(log: str) -> str:
+    """The last line of an engine's log that names an error, else its last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return (errors or lines or ["no log"])[-1][:300]
 
 
 def _result(runs: dict[str, dict], name: str) -> dict:
