@@ -214,10 +214,7 @@ def test_value_headers_overwritten_under_load_are_refused_and_recomputed(embedde
 def test_embedded_pool_server_stopped_with_vllms_defaults_leaves_no_pool_file(embedded):
     assert_stopped_cleanly(embedded.stop())
     # Its processes ended without detaching: the pool's reaper frees it (a poll a second).
-    deadline = time.monotonic() + 30
-    while (left := sorted(p.name for p in SHM_DIR.glob(f"*{EMBEDDED_POOL}*"))) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert left == []
+    assert _shm_files_gone(EMBEDDED_POOL, seconds=30), sorted(p.name for p in SHM_DIR.glob(f"*{EMBEDDED_POOL}*"))
 
 
 # ---- Mooncake: the load, the master killed and restarted under it, the memory owner killed --
@@ -318,3 +315,33 @@ def _worker_pid(pgid: int) -> int:
         except (OSError, ValueError):
             continue
     raise AssertionError("no VLLM::Worker in the server's process group")
+
+
+def test_a_server_killed_mid_save_on_a_named_pool_restarts_at_once_and_leaves_nothing(tiny_model, tmp_path, baseline):
+    """SIGKILL of the whole server while saves are in flight: the pool's reaper frees the named pool
+    (one line in the log), a server started again on the name comes up at the first try and serves
+    the baseline's output, and its ordinary stop (vLLM's defaults) leaves nothing in /dev/shm."""
+    name = f"killed-{uuid.uuid4().hex[:8]}"
+    config = aio_config(local_pool_size=POOL_SIZE, local_pool_name=name)
+    args = server_args(CONCURRENCY, shutdown_timeout=None)
+    killed = LoadServer(tiny_model, tmp_path / "killed.log", config, args)
+    try:
+        kill = at(MIX.num_requests // 3, lambda: os.killpg(killed.proc.pid, signal.SIGKILL))
+        done = iter(range(1, MIX.num_requests + 1))
+        run_load(killed.base, str(tiny_model), MIX.prompts(), CONCURRENCY, MIX.max_tokens, timeout=120,
+                 on_done=lambda _: kill(next(done)))
+    finally:
+        killed.stop()
+    assert _shm_files_gone(name, seconds=30), "the killed server's pool was not freed"
+    assert f"freed the embedded pool '{name}'" in (tmp_path / "killed.log").read_text(errors="replace")
+    with load_server(tiny_model, tmp_path / "restarted.log", config, args) as restarted:
+        assert_load_served_exactly(restarted.load(), baseline)
+        assert_stopped_cleanly(restarted.stop())
+    assert _shm_files_gone(name, seconds=30)
+
+
+def _shm_files_gone(name: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while list(SHM_DIR.glob(f"*{name}*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not list(SHM_DIR.glob(f"*{name}*"))
