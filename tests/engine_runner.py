@@ -30,12 +30,14 @@ def run(spec: dict) -> dict:
     # On an accelerator (the GPU engine tier): graphs as deployments run them, and a memory share.
     tp = spec.get("tensor_parallel_size", 1)
     accelerator = {key: spec[key] for key in ("compilation_config", "gpu_memory_utilization") if key in spec}
+    speculative = {"speculative_config": spec["speculative_config"]} if "speculative_config" in spec else {}
     llm = LLM(
         spec["model"],
         max_model_len=spec.get("max_model_len", 4096),
         block_size=spec.get("block_size", 32),
         enforce_eager=spec.get("enforce_eager", True),
         **accelerator,
+        **speculative,
         enable_prefix_caching=spec.get("enable_prefix_caching", False),
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192),
         # One request at a time: which requests share a step depends on when the

@@ -128,8 +128,12 @@ def refuse_unsupported(vllm_config: Any) -> None:
             "layer's KV apart (the layers/layer_stride plan), so layers cannot share a buffer; it works on "
             "vllm-ascend with vLLM 0.23-0.28 (shared_by plans)"
         )
-    if vllm_config.speculative_config is not None:
-        raise ConfigError("transfer_mode dynamic_buffer: speculative decoding (draft layers) is not supported")
+    if (speculative := vllm_config.speculative_config) is not None:
+        raise ConfigError(
+            f"transfer_mode dynamic_buffer: speculative decoding ({getattr(speculative, 'method', None) or 'a draft'}) "
+            "is not supported (its verification steps and draft layers run outside the buffer's layer ring); "
+            "use whole_blocks, layerwise or async with it"
+        )
     if getattr(vllm_config.parallel_config, "enable_dbo", False):
         raise ConfigError("transfer_mode dynamic_buffer: micro-batching (enable_dbo) is not supported")
 
