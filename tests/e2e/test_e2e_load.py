@@ -25,13 +25,16 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 
 from conftest import EAGER, THREADS, LogTail, aio_config
-from vllm_aio.devtools.load import SERVER_ENV, LoadMix, Outcome, compare, read_metrics, run_load, server_args
+from vllm_aio.devtools.load import (SERVER_ENV, LoadMix, Outcome, compare, read_metrics, run_load, server_args,
+                                   stream_completion)
 from vllm_aio.devtools.mooncake_pool import MooncakePool
 from vllm_aio.devtools.serve import free_port, log_tail, vllm_server, wait_healthy
 from vllm_aio.pool.entry import HEADER_BYTES
@@ -91,6 +94,32 @@ class LoadServer:
         previous, self._metrics = self._metrics, read_metrics(self.base)
         metrics = {name: value - previous.get(name, 0.0) for name, value in self._metrics.items()}
         return LoadPass(outcomes, metrics, self._log_tail.read_new())
+
+    def hang_up(self, before_first_token: set[int], after_first_token: set[int]) -> tuple[int, str]:
+        """The load's prompts, ``CONCURRENCY`` at a time, whose clients of the given indexes close their
+        connection before or after their first token (asking for many tokens, so they are still
+        running); the others read to the end. Returns the tokens vLLM generated and the pass's log."""
+        def one(index: int) -> None:
+            if index not in before_first_token | after_first_token:
+                stream_completion(self.base, str(self.model), index, prompts[index], MIX.max_tokens, timeout=120)
+                return
+            body = {"model": str(self.model), "prompt": prompts[index], "max_tokens": 512, "stream": True,
+                    "temperature": 0, "ignore_eos": True}
+            early = index in before_first_token
+            try:  # leaving the block closes the connection: vLLM aborts the request
+                with requests.post(f"{self.base}/v1/completions", json=body, stream=True,
+                                   timeout=(10, 0.01 if early else 120)) as r:
+                    next(line for line in r.iter_lines() if line.startswith(b"data: "))
+            except requests.RequestException:  # the early ones give up waiting for a token
+                pass
+
+        prompts = MIX.prompts()
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            list(pool.map(one, range(MIX.num_requests)))
+        time.sleep(1)  # the last disconnects reach the engine
+        previous, self._metrics = self._metrics, read_metrics(self.base)
+        generated = self._metrics["vllm:generation_tokens_total"] - previous.get("vllm:generation_tokens_total", 0.0)
+        return int(generated), self._log_tail.read_new()
 
     def stop(self) -> Stopped:
         if self.stopped is None:
@@ -209,6 +238,22 @@ def test_value_headers_overwritten_under_load_are_refused_and_recomputed(embedde
     assert_load_served_exactly(run, baseline, min_hit=0)
     assert run.metrics["vllm:aio_load_failures_total"] > 0
     assert "pool blocks could not be loaded" in run.log and "foreign" in run.log
+
+
+def test_clients_that_hang_up_mid_load_and_mid_save_leave_the_server_serving_exactly(embedded, baseline):
+    # A third of the clients close before their first token (lookups and loads in flight), a third
+    # after it (the prompt's saves in flight); vLLM aborts those requests. Nothing of them may stay
+    # reserved in the pool, and the next pass must be served exactly.
+    hung_up = set(range(0, MIX.num_requests, 3)), set(range(1, MIX.num_requests, 3))
+    generated, log = embedded.hang_up(*hung_up)
+    # Had vLLM not aborted them, the hung-up requests alone would have generated 512 tokens each.
+    assert generated < 512 * sum(map(len, hung_up)) // 2, generated
+    assert "Traceback" not in log, log[-3000:]
+    assert_load_served_exactly(embedded.load(), baseline)
+    deadline = time.monotonic() + 30  # the aborted requests' last saves end within their step
+    while snapshot(EMBEDDED_POOL).writing and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert snapshot(EMBEDDED_POOL).writing == 0
 
 
 def test_embedded_pool_server_stopped_with_vllms_defaults_leaves_no_pool_file(embedded):
