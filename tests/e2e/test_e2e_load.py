@@ -198,16 +198,14 @@ def at(n: int, action: Callable[[], None]) -> Callable[[int], None]:
     return lambda done: action() if done == n else None
 
 
-# ---- the embedded pool: the load, then headers overwritten under it, then the stop ----------
+# ---- the embedded pool: the load, headers overwritten under it, clients hanging up, the server killed and restarted
 EMBEDDED_POOL = f"load-{uuid.uuid4().hex[:8]}"  # named, so the tests can find what is left of it
 
 
 @pytest.fixture(scope="module")
 def embedded(tiny_model, tmp_path_factory) -> Iterator[LoadServer]:
     config = aio_config(local_pool_size=POOL_SIZE, local_pool_name=EMBEDDED_POOL)
-    # Stopped as vLLM stops by default (no --shutdown-timeout): its processes end before they detach.
-    args = server_args(CONCURRENCY, shutdown_timeout=None)
-    with load_server(tiny_model, tmp_path_factory.mktemp("load-embedded") / "server.log", config, args) as server:
+    with load_server(tiny_model, tmp_path_factory.mktemp("load-embedded") / "server.log", config) as server:
         yield server
 
 
@@ -256,10 +254,32 @@ def test_clients_that_hang_up_mid_load_and_mid_save_leave_the_server_serving_exa
     assert snapshot(EMBEDDED_POOL).writing == 0
 
 
-def test_embedded_pool_server_stopped_with_vllms_defaults_leaves_no_pool_file(embedded):
-    assert_stopped_cleanly(embedded.stop())
-    # Its processes ended without detaching: the pool's reaper frees it (a poll a second).
+def test_the_embedded_server_killed_mid_save_restarts_on_its_pool_and_a_default_stop_leaves_nothing(
+        embedded, tiny_model, tmp_path, baseline):
+    """SIGKILL of the whole server while saves are in flight: the pool's reaper frees the named pool
+    (one line in the log), a server started again on the name comes up at the first try and serves
+    the load exactly, and its stop with vLLM's defaults (no --shutdown-timeout: its processes end
+    before they detach) leaves nothing in /dev/shm."""
+    kill = at(MIX.num_requests // 3, lambda: os.killpg(embedded.proc.pid, signal.SIGKILL))
+    done = iter(range(1, MIX.num_requests + 1))
+    run_load(embedded.base, str(tiny_model), MIX.prompts(), CONCURRENCY, MIX.max_tokens, timeout=120,
+             on_done=lambda _: kill(next(done)))
+    embedded.stop()
+    assert _shm_files_gone(EMBEDDED_POOL, seconds=30), "the killed server's pool was not freed"
+    assert f"freed the embedded pool '{EMBEDDED_POOL}'" in embedded.log_path.read_text(errors="replace")
+    config = aio_config(local_pool_size=POOL_SIZE, local_pool_name=EMBEDDED_POOL)
+    args = server_args(CONCURRENCY, shutdown_timeout=None)
+    with load_server(tiny_model, tmp_path / "restarted.log", config, args) as restarted:
+        assert_load_served_exactly(restarted.load(), baseline)
+        assert_stopped_cleanly(restarted.stop())
     assert _shm_files_gone(EMBEDDED_POOL, seconds=30), sorted(p.name for p in SHM_DIR.glob(f"*{EMBEDDED_POOL}*"))
+
+
+def _shm_files_gone(name: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while list(SHM_DIR.glob(f"*{name}*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not list(SHM_DIR.glob(f"*{name}*"))
 
 
 # ---- Mooncake: the load, the master killed and restarted under it, the memory owner killed --
@@ -360,33 +380,3 @@ def _worker_pid(pgid: int) -> int:
         except (OSError, ValueError):
             continue
     raise AssertionError("no VLLM::Worker in the server's process group")
-
-
-def test_a_server_killed_mid_save_on_a_named_pool_restarts_at_once_and_leaves_nothing(tiny_model, tmp_path, baseline):
-    """SIGKILL of the whole server while saves are in flight: the pool's reaper frees the named pool
-    (one line in the log), a server started again on the name comes up at the first try and serves
-    the baseline's output, and its ordinary stop (vLLM's defaults) leaves nothing in /dev/shm."""
-    name = f"killed-{uuid.uuid4().hex[:8]}"
-    config = aio_config(local_pool_size=POOL_SIZE, local_pool_name=name)
-    args = server_args(CONCURRENCY, shutdown_timeout=None)
-    killed = LoadServer(tiny_model, tmp_path / "killed.log", config, args)
-    try:
-        kill = at(MIX.num_requests // 3, lambda: os.killpg(killed.proc.pid, signal.SIGKILL))
-        done = iter(range(1, MIX.num_requests + 1))
-        run_load(killed.base, str(tiny_model), MIX.prompts(), CONCURRENCY, MIX.max_tokens, timeout=120,
-                 on_done=lambda _: kill(next(done)))
-    finally:
-        killed.stop()
-    assert _shm_files_gone(name, seconds=30), "the killed server's pool was not freed"
-    assert f"freed the embedded pool '{name}'" in (tmp_path / "killed.log").read_text(errors="replace")
-    with load_server(tiny_model, tmp_path / "restarted.log", config, args) as restarted:
-        assert_load_served_exactly(restarted.load(), baseline)
-        assert_stopped_cleanly(restarted.stop())
-    assert _shm_files_gone(name, seconds=30)
-
-
-def _shm_files_gone(name: str, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while list(SHM_DIR.glob(f"*{name}*")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return not list(SHM_DIR.glob(f"*{name}*"))
