@@ -50,7 +50,8 @@ SMALL_KV = ["--num-gpu-blocks-override", "56", "--max-model-len", "1024"]
 NO_EOS = {"ignore_eos": True}
 # The scenario needs A pressured while the high-priority request decodes. On two busy cores a CI run's
 # low-priority requests, sent 0.5 s after it, reached the router only as it finished 10 s later, and
-# only they moved; a local run under load saw the router relay 600 of its tokens in one burst. The
+# only they moved; a local run under load saw the router relay 600 of its tokens in one burst; another
+# CI run's move of it timed out in the transfer (it stayed on A, unchanged) and nothing moved. The
 # scenario then runs again, every output checked each time.
 ATTEMPTS = 3
 
@@ -190,13 +191,13 @@ def test_pressured_instance_moves_its_high_priority_request_which_completes_unch
         for got, alone_ in zip([got_high, *got_lows], want):
             assert_same_continuation(got, alone_)
         moves = router.moves()[done:]
-        assert moves, f"nothing moved: was A pressured? The router's log:\n{router.log_tail()}"
         # The policy moves the most important request it can move at the time: the high-priority one,
-        # unless a move of it is refused (it stays); a low-priority one may then go first.
+        # unless a move of it is refused (it stays: a CI run's transfer timed out on the loaded machine,
+        # and the request had finished by the next try); a low-priority one may then go first, or none.
         high = [m for m in moves if m["priority"] == HIGH]
         if high:
             break
-        print(f"attempt {attempt}: only low-priority requests moved ({len(moves)}); the scenario again")
+        print(f"attempt {attempt}: {len(moves)} moved, not the high-priority request; the scenario again")
     assert high, f"the high-priority request never moved in {ATTEMPTS} runs: {moves}\n{router.log_tail()}"
     first = high[0]
     assert first["source"] == a.url and first["target"] == cluster["b"].url, first
