@@ -142,8 +142,7 @@ def _sweep_dead_pools(exclude: Path) -> None:
     for path in SHM_DIR.glob(f"{_PREFIX}*"):
         pids = None if path == exclude else _listed_pids(path)
         if pids is not None and not any(map(pid_alive, pids)):
-            path.unlink(missing_ok=True)
-            lock_path(path.name[len(_PREFIX):]).unlink(missing_ok=True)
+            _unlink(path.name[len(_PREFIX):])
 
 
 def _listed_pids(path: Path) -> list[int] | None:
@@ -170,11 +169,16 @@ def free_if_abandoned(name: str) -> list[int] | None:
         pids = _listed_pids(pool_path(name))
         if pids is None or any(map(pid_alive, pids)):
             return None
-        pool_path(name).unlink(missing_ok=True)
-        lock_path(name).unlink(missing_ok=True)
+        _unlink(name)
         return pids
     finally:
         os.close(fd)  # and its flock with it
+
+
+def _unlink(name: str) -> None:
+    """Pool ``name``'s file and its lock file gone from ``/dev/shm`` (attached mappings stay valid)."""
+    pool_path(name).unlink(missing_ok=True)
+    lock_path(name).unlink(missing_ok=True)
 
 
 def _open_current_lock(name: str) -> int:
@@ -243,14 +247,14 @@ class PoolFile:
         (vLLM's default shutdown kills workers without running our close).
         """
         with self.locked():
-            self._unlink()
+            _unlink(self.name)
 
     def detach(self) -> None:
         """Leave the pid table; the last process attached unlinks the pool. Views stay valid until ``unmap``."""
         with self.locked():
             self._remove_pid(os.getpid())
             if not self._live_pids():
-                self._unlink()
+                _unlink(self.name)
 
     def unmap(self) -> None:
         """Close the mapping (once no view of it is held) and the lock."""
@@ -259,10 +263,6 @@ class PoolFile:
         except BufferError:
             pass  # a caller still holds a view; the mapping goes with the process
         os.close(self._lock_fd)
-
-    def _unlink(self) -> None:
-        self.path.unlink(missing_ok=True)
-        lock_path(self.name).unlink(missing_ok=True)
 
     def _drop_orphaned_lock(self) -> None:
         """After a failed attach: no pool, so no lock file either."""
