@@ -73,12 +73,33 @@ def run(spec: dict) -> dict:
             break
         if order.get("reset_prefix_cache"):  # the round's hits then come from the connector
             assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in order["prompts"]], params,
-                               priority=order.get("priorities"))
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in order["prompts"]]
+        if aborts := spec.get("aborts", {}).get(str(index)):
+            outputs = _generate_aborting(llm, index, prompts, params, aborts["after_steps"], aborts["requests"])
+        else:
+            outputs = llm.generate(prompts, params, priority=order.get("priorities"))
         _write(directory / f"round-{index}.out.json",
-               {"results": [_result(o, dtype) for o in outputs], "aio": _aio_counters(llm),
+               {"results": [o and _result(o, dtype) for o in outputs], "aio": _aio_counters(llm),
                 "preemptions": _counter(llm, "vllm:num_preemptions"), "recomputed_after_preemption": resumed.recomputed})
     return {"workers": llm.collective_rpc(_worker_facts)}
+
+
+def _generate_aborting(llm, round_: int, prompts: list, params, after_steps: int, aborted: list[int]) -> list:
+    """The prompts through the engine's own loop, the ``aborted`` ones aborted after ``after_steps``
+    steps, as vLLM aborts a request whose client hung up (their loads or saves may be in flight).
+    The others' outputs in prompt order; None for an aborted one."""
+    engine = llm.llm_engine
+    ids = [f"round-{round_}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    finished, steps = {}, 0
+    while engine.has_unfinished_requests():
+        # The id as given, whether an output carries it or vLLM's internal one (it appends "-<suffix>")
+        finished.update(("-".join(out.request_id.split("-")[:3]), out) for out in engine.step() if out.finished)
+        steps += 1
+        if steps == after_steps:
+            engine.abort_request([ids[i] for i in aborted])
+    return [None if i in aborted else finished[request_id] for i, request_id in enumerate(ids)]
 
 
 def _next_order(directory: Path, index: int) -> dict | None:

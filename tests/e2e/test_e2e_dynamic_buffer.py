@@ -106,6 +106,18 @@ def test_a_producer_stores_through_the_buffer_and_a_consumer_loads_through_it(ti
         holder.close()
 
 
+def test_blocks_lost_or_torn_at_a_load_into_the_buffers_host_copy_are_recomputed(tiny6_model, tmp_path, reference):
+    rounds, _, _ = reference
+    engine = Engine(tiny6_model, tmp_path)
+    config = _buffer(local_pool_size="256MB")
+    config.update(kv_connector="FaultyAioConnector", kv_connector_module_path="faulty_connector")
+    cold, warm = engine.run(ROUNDS, config, env={**IN_PROCESS, "AIO_FAULT": "lost_and_torn"},
+                            **{**RUN, "enable_prefix_caching": False})
+    assert_same_generation(cold, rounds[0])
+    assert_same_generation(warm, rounds[1])
+    assert "pool blocks could not be loaded (1 corrupt, 1 missing); vLLM recomputes them" in engine.last_log
+
+
 def test_a_layer_never_loaded_changes_the_output(tiny6_model, tmp_path, reference):
     # Negative control: the suite notices attention reading the wrong layer's KV.
     rounds, _, _ = reference

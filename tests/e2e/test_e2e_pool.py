@@ -97,9 +97,10 @@ def test_blocks_lost_or_torn_at_load_are_recomputed(faulty_engine, baseline):
     assert "pool blocks could not be loaded (1 corrupt, 1 missing); vLLM recomputes them" in warm.log
 
 
-def test_blocks_lost_or_torn_at_a_layerwise_load_are_recomputed(engine, baseline):
+@pytest.mark.parametrize("mode", ["layerwise", "async"])
+def test_blocks_lost_or_torn_at_a_layerwise_or_background_load_are_recomputed(engine, baseline, mode):
     prompts = PROMPTS["faults"]
-    cold, warm = engine.run([prompts, prompts], _faulty(**TRANSFER_MODES["layerwise"]), env={"AIO_FAULT": "lost_and_torn"})
+    cold, warm = engine.run([prompts, prompts], _faulty(**TRANSFER_MODES[mode]), env={"AIO_FAULT": "lost_and_torn"})
     assert_same_generation(warm, baseline["faults"])
     assert "pool blocks could not be loaded (1 corrupt, 1 missing); vLLM recomputes them" in engine.last_log
 

@@ -23,6 +23,7 @@ tokens, the case a FULL CUDA graph replays), sixteen tokens and a partial block
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -106,6 +107,7 @@ class Run:
     spec: dict = field(default_factory=dict)
     then: "Run | None" = None  # a consumer, started once this engine has exited
     pool_value_bytes: int = 0  # the held pool's value size (0: none held)
+    env: dict = field(default_factory=dict)
 
     def execute(self, model: Path, workdir: Path) -> dict[str, dict]:
         holder = _hold_pool(self) if self.pool_value_bytes else None
@@ -123,20 +125,32 @@ def _engine_run(run: Run, model: Path, workdir: Path) -> dict:
     engine = Engine(model, workdir / run.name)
     engine.workdir.mkdir(parents=True)
     # Each engine its own compile cache: four compiling at once into one cache race on its files.
-    env = {"VLLM_CACHE_ROOT": str(engine.workdir / "vllm-cache")}
+    env = {"VLLM_CACHE_ROOT": str(engine.workdir / "vllm-cache"), **run.env}
     try:
         rounds = engine.run(run.rounds, run.kv_transfer_config, env=env, timeout=540, **{**ENGINE, **run.spec})
     except (AssertionError, TimeoutError) as exc:  # the engine failed or hung: its log's tail is in the message
         return {"error": str(exc), "log": getattr(engine, "last_log", "")}
     return {"rounds": rounds, "log": engine.last_log, "counters": engine.last_counters,
-            "preemptions": engine.last_preemptions, "recomputed": engine.last_recomputed_after_preemption}
+            "preemptions": engine.last_preemptions, "recomputed": engine.last_recomputed_after_preemption,
+            **({"pool": _pool_state(run)} if run.pool_value_bytes else {})}
+
+
+def _pool_name(run: Run) -> str:
+    return run.kv_transfer_config["kv_connector_extra_config"]["local_pool_name"]
 
 
 def _hold_pool(run: Run):
     from vllm_aio.pool.host_pool import SharedHostPool
 
-    name = run.kv_transfer_config["kv_connector_extra_config"]["local_pool_name"]
-    return SharedHostPool(name, run.pool_value_bytes, (2 << 30) // run.pool_value_bytes)
+    return SharedHostPool(_pool_name(run), run.pool_value_bytes, (2 << 30) // run.pool_value_bytes)
+
+
+def _pool_state(run: Run) -> dict:
+    """What the engine left in the pool the test holds: values mid-write, leases still held."""
+    from vllm_aio.pool.inspect import snapshot
+
+    found = snapshot(_pool_name(run))
+    return {"writing": found.writing, "ready": found.usage.num_ready}
 
 
 def _value_bytes(model: Path, layerwise: bool) -> int:
@@ -206,7 +220,91 @@ def _tiered_pair(mooncake: dict) -> Run:
     return Run("tiered-producer", COLD_ROUNDS, node("kv_producer", "a"), _cached(), then=consumer)
 
 
-def _plan(model: Path, events_endpoint: str, mooncake: dict | None) -> list[Run]:
+# Speculative decoding with vLLM's n-gram proposer on the GPU (``ngram_gpu``: the CPU one turns async
+# scheduling off). Each prompt repeats a segment, so the proposer finds n-grams; 16n+1 tokens.
+SPEC = {"speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                               "prompt_lookup_min": 2}}
+SPEC_PROMPTS = [segment * 3 + tail for segment, tail in
+                zip(make_prompts(81, [BLOCK * 10, BLOCK * 11, BLOCK * 9], VOCAB), make_prompts(82, [1] * 3, VOCAB))]
+SPEC_ROUNDS = [SPEC_PROMPTS, SPEC_PROMPTS]
+
+
+def _speculative(name: str, mode: str | None, *specs: dict) -> Run:
+    config = None if mode is None else aio_config(local_pool_size="2GB", **MODES[mode])
+    return Run(name, SPEC_ROUNDS, config, _cached(SPEC, *specs, {} if mode is None else RESET))
+
+
+def _faulty(mode: str, *specs: dict) -> Run:
+    """The faulty connector (``tests/faulty_connector.py``): at every load the 3rd block of a request is
+    lost (evicted after its lookup) and the 5th torn (rewritten while copied); vLLM recomputes them."""
+    config = aio_config(module="faulty_connector", connector="FaultyAioConnector", local_pool_size="2GB",
+                        **MODES[mode])
+    return Run(f"faults-{mode}", COLD_ROUNDS + WARM_ROUNDS, config, _cached(RESET, *specs),
+               env={"AIO_FAULT": "lost_and_torn"})
+
+
+# Clients that hang up: vLLM aborts their requests. Round 0 aborts two of three after their first
+# step (their saves in flight), round 1 one whose hit is loading (in flight in the async mode), round 2
+# serves all three from the pool. The pool is held by the test, to read what the engine left in it.
+ABORT_ROUNDS = [ONE, ONE, ONE]
+ABORTS = {"aborts": {"0": {"after_steps": 1, "requests": [0, 1]}, "1": {"after_steps": 1, "requests": [2]}}}
+
+
+def _aborting(mode: str, model: Path) -> Run:
+    pool = {"local_pool_name": f"gpu-aborts-{mode}-{uuid.uuid4().hex[:6]}", **MODES[mode]}
+    return Run(f"aborts-{mode}", ABORT_ROUNDS, aio_config(**pool), _cached(RESET, ABORTS),
+               pool_value_bytes=_value_bytes(model, mode == "layerwise"))
+
+
+@dataclass
+class KilledAndRestarted:
+    """An engine on a named pool killed with SIGKILL while it saves, then another started on the name.
+
+    The pool's reaper frees the pool once its last process is gone; the new engine creates it afresh,
+    serves vLLM's tokens (its second round from the pool) and, stopped as usual, leaves nothing."""
+
+    name: str = "killed-then-restarted"
+
+    def execute(self, model: Path, workdir: Path) -> dict[str, dict]:
+        from vllm_aio.pool.shm_file import lock_path, pool_path
+
+        pool = f"gpu-killed-{uuid.uuid4().hex[:6]}"
+        config = aio_config(local_pool_name=pool, local_pool_size="2GB")
+        killed = _killed_mid_save(model, workdir / "killed", config)
+        deadline = time.monotonic() + 20
+        while pool_path(pool).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        killed["freed"] = not pool_path(pool).exists()
+        killed["log"] = killed.pop("log_path").read_text(errors="replace")  # with the reaper's line
+        restarted = _engine_run(Run("restarted", [ONE, ONE], config, _cached(RESET)), model, workdir)
+        restarted["left"] = [str(p) for p in (pool_path(pool), lock_path(pool)) if p.exists()]
+        return {self.name: killed, "restarted": restarted}
+
+
+def _killed_mid_save(model: Path, workdir: Path, config: dict) -> dict:
+    """Round 0 stored; round 1 (long prompts) killed as soon as one of its values is being written."""
+    from vllm_aio.pool.inspect import snapshot
+
+    engine = Engine(model, workdir)
+    workdir.mkdir(parents=True)
+    live = engine.start(config, env={"VLLM_CACHE_ROOT": str(workdir / "vllm-cache")}, **{**ENGINE, **_cached()})
+    try:
+        live.round(ONE, timeout=540)
+        pool = config["kv_connector_extra_config"]["local_pool_name"]
+        with ThreadPoolExecutor(1) as thread:  # the round fails once the engine is killed
+            saving = thread.submit(live.round, SIXTEEN_COLD + PARTIAL_COLD + SHARED, timeout=120)
+            mid_save = False
+            while not saving.done() and not mid_save:
+                mid_save = snapshot(pool).writing > 0
+            live.kill()
+        return {"mid_save": mid_save, "log_path": live.log_path}
+    except (AssertionError, TimeoutError) as exc:
+        return {"error": str(exc), "log_path": live.log_path}
+    finally:
+        live.kill()
+
+
+def _plan(model: Path, events_endpoint: str, mooncake: dict | None) -> list[Run | KilledAndRestarted]:
     return [
         _pair("whole_blocks", model),
         _pair("layerwise", model),
@@ -225,6 +323,16 @@ def _plan(model: Path, events_endpoint: str, mooncake: dict | None) -> list[Run]
             aio_config(local_pool_size="1GB", **MODES["dynamic_buffer"]), PREEMPTION),
         _events_run(events_endpoint),
         *([_tiered_pair(mooncake)] if mooncake else []),
+        _speculative("reference-ngram", None),
+        _speculative("reference-ngram-piecewise", None, GRAPHS["PIECEWISE"]),
+        _speculative("whole_blocks-ngram", "whole_blocks"),
+        _speculative("layerwise-ngram", "layerwise"),
+        _speculative("async-ngram", "async"),
+        _speculative("dynamic_buffer-ngram", "dynamic_buffer", {"kv_cache_memory_bytes": 256 << 20}),
+        *[_faulty(mode) for mode in ("whole_blocks", "layerwise", "async")],
+        _faulty("dynamic_buffer", {"kv_cache_memory_bytes": 256 << 20}),
+        *[_aborting(mode, model) for mode in ("whole_blocks", "layerwise", "async")],
+        KilledAndRestarted(),
     ]
 
 
@@ -277,10 +385,10 @@ def _print_gaps(results: dict[str, dict]) -> None:
         if "error" in result:
             print(f"  {name}: FAILED: {_cause(result['log'] or result['error'])}")
             continue
-        if name.startswith(("reference", "preemption")):
+        if name.startswith(("reference", "preemption", "aborts", "killed", "restarted")) or "rounds" not in result:
             continue
-        mode = next((m for m in MODES if name.startswith(m)), "whole_blocks")
-        want = results[_reference(mode)].get("rounds", [])
+        mode = next((m for m in MODES if m in name), "whole_blocks")
+        want = results.get(_reference(mode, name.endswith("-ngram")), {}).get("rounds", [])
         if name.endswith("consumer"):
             want = want[len(COLD_ROUNDS):]
         cells, shapes = [], []
@@ -356,10 +464,10 @@ def test_pool_hits_in_one_engine_give_vllms_prefix_cache_hit_tokens(runs, name, 
     assert _ran(runs, name)["counters"].get("load_failures", 0) == 0
 
 
-def _reference(mode: str) -> str:
+def _reference(mode: str, speculative: bool = False) -> str:
     """The engine of the same graphs: per-layer modes run piecewise (``vllm_aio/graph_mode.py``)."""
     per_layer = transfer_mode_of(MODES[mode]).runs_per_layer
-    return "reference-piecewise" if per_layer else "reference"
+    return "reference" + ("-ngram" if speculative else "") + ("-piecewise" if per_layer else "")
 
 
 @pytest.mark.parametrize("mode", ["whole_blocks", "layerwise"])
@@ -424,3 +532,69 @@ def test_a_node_of_its_own_hits_what_another_stored_through_the_tiered_store(run
     _assert_warm_rounds_match(consumer["rounds"], want[len(COLD_ROUNDS):], SAME_SHAPES_TOLERANCE)
     counters = consumer["counters"]
     assert counters.get("remote_tier_hits", 0) > 0 and counters.get("load_failures", 0) == 0, counters
+
+
+# ---- the fault matrix (docs/deployment.md): async scheduling, speculative decoding, failed loads,
+# clients hanging up, an engine killed mid-save and restarted on its pool
+
+
+def test_every_engine_of_the_tier_runs_with_async_scheduling(runs):
+    # vLLM 0.23's CUDA engine turns it on wherever nothing rules it out (the uni executor supports it)
+    ran = [name for name, result in runs.items() if "error" not in result and "log" in result]
+    assert ran
+    assert [name for name in ran if "Asynchronous scheduling is enabled" not in runs[name]["log"]] == []
+
+
+@pytest.mark.parametrize("mode", ["whole_blocks", "layerwise", "async"])
+def test_pool_hits_under_ngram_speculative_decoding_give_vllms_tokens(runs, mode):
+    result, want = _ran(runs, f"{mode}-ngram"), _ran(runs, _reference(mode, speculative=True))["rounds"]
+    assert "ngram_gpu" in result["log"]
+    assert_same_generation(result["rounds"][0], want[0], SAME_SHAPES_TOLERANCE)
+    warm, want_warm = result["rounds"][1], want[1]
+    assert [r["cached"] for r in warm] == [r["cached"] for r in want_warm] == [len(p) - 1 for p in SPEC_PROMPTS]
+    assert_same_generation(warm, want_warm, ASYNC_TOLERANCE if mode == "async" else SAME_SHAPES_TOLERANCE)
+    assert result["counters"].get("load_failures", 0) == 0
+
+
+def test_the_dynamic_buffer_refuses_speculative_decoding_at_start_naming_the_method(runs):
+    result = _result(runs, "dynamic_buffer-ngram")
+    assert "error" in result, "the engine started"
+    assert "transfer_mode dynamic_buffer: speculative decoding (ngram_gpu) is not supported" in result["log"]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_blocks_lost_or_torn_at_load_are_recomputed_in_every_mode(runs, mode):
+    result, want = _ran(runs, f"faults-{mode}"), _ran(runs, _reference(mode))["rounds"]
+    # Recomputed from the first bad block on: other shapes than the reference's hit, so its tolerance
+    for name, got_round, want_round in zip(["cold"] * len(COLD_ROUNDS) + ROUND_NAMES, result["rounds"], want):
+        try:
+            assert_same_generation(got_round, want_round, ASYNC_TOLERANCE)
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from None
+    assert result["counters"].get("load_failures", 0) > 0
+    assert "pool blocks could not be loaded" in result["log"]
+
+
+@pytest.mark.parametrize("mode", ["whole_blocks", "layerwise", "async"])
+def test_requests_aborted_mid_save_and_mid_load_leave_nothing_in_flight(runs, mode):
+    result, want = _ran(runs, f"aborts-{mode}"), _ran(runs, _reference(mode))["rounds"]
+    cold, warm = want[0], want[len(COLD_ROUNDS)]
+    first, second, third = result["rounds"]
+    assert first[:2] == [None, None] and second[2] is None
+    assert_same_generation(first[2:], cold[2:], SAME_SHAPES_TOLERANCE)
+    assert_same_generation(second[:2], warm[:2], ASYNC_TOLERANCE)  # hits or not, as their aborts left them
+    assert [r["cached"] for r in third] == [r["cached"] for r in warm]
+    assert_same_generation(third, warm, ASYNC_TOLERANCE if mode == "async" else SAME_SHAPES_TOLERANCE)
+    assert result["pool"]["writing"] == 0, result["pool"]
+    assert "Traceback" not in result["log"]
+
+
+def test_an_engine_killed_mid_save_is_freed_and_one_restarted_on_its_pool_serves_vllms_tokens(runs):
+    killed = _result(runs, "killed-then-restarted")
+    assert "error" not in killed, killed["error"]
+    assert killed["mid_save"], "the kill came after the round's saves"
+    assert killed["freed"] and "freed the embedded pool" in killed["log"], killed["log"][-2000:]
+    restarted, want = _ran(runs, "restarted"), _ran(runs, "reference")["rounds"]
+    assert_same_generation(restarted["rounds"][0], want[0], SAME_SHAPES_TOLERANCE)
+    _assert_warm_rounds_match(restarted["rounds"][1:], want[len(COLD_ROUNDS):][:1], SAME_SHAPES_TOLERANCE)
+    assert restarted["left"] == [], "the restarted engine's stop left its pool"
