@@ -70,7 +70,7 @@ ENGINE = {
     "max_num_batched_tokens": 16384,  # each round's prompts in one step: no hit inside a round
     "max_model_len": 4096,
     "max_tokens": 12,
-    "gpu_memory_utilization": 0.1,  # four engines on the GPU at once
+    "gpu_memory_utilization": 0.1,  # several engines on the GPU at once (AIO_GPU_ENGINES)
     "kv_cache_memory_bytes": 1 << 30,
 }
 RESET = {"reset_prefix_cache_between_rounds": True}
@@ -360,7 +360,7 @@ def runs(gpu_model: Path, tmp_path_factory) -> dict[str, dict]:
         if only := os.environ.get("AIO_GPU_RUNS"):  # a rerun of some engines (device time is scarce)
             plan = [run for run in plan if run.name in only.split(",")]
         results: dict[str, dict] = {}
-        with ThreadPoolExecutor(int(os.environ.get("AIO_GPU_ENGINES", "5"))) as pool:
+        with ThreadPoolExecutor(int(os.environ.get("AIO_GPU_ENGINES", "8"))) as pool:
             for done in [pool.submit(run.execute, gpu_model, workdir) for run in plan]:
                 results.update(done.result())
         stored = len(_full_blocks([p for r in EVENT_ROUNDS for p in r]))
