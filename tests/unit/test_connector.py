@@ -16,6 +16,13 @@ def test_sleep_mode_is_refused_with_the_reason_logged(caplog):
     assert "does not support vLLM's sleep mode" in caplog.text and "enable_sleep_mode" in caplog.text
 
 
+def test_the_connector_tells_vllm_its_saves_are_best_effort_in_every_role():
+    require("vllm")
+    from vllm_aio.connector.connector import AioConnector
+
+    assert AioConnector.requires_kv_delivery.fget(None) is False  # no role or state changes the answer
+
+
 _EXITS_WITHOUT_SHUTDOWN = """
 from vllm_aio.connector.connector import shutdown_at_exit
 

@@ -110,6 +110,13 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
                 # Built after the model, so after its attention backend chose the KV cache layout.
                 self._facts = WorkerFacts(kv_layout=dep.namespace.kv_layout)
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """vLLM 0.27+ asks, and takes every producer (``kv_both`` included) for one that hands KV off:
+        it then drops a preempted request's output in flight under async scheduling. The pool is a
+        best-effort cache in every role: a save a preemption cuts short is a later miss, nothing more."""
+        return False
+
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """vLLM asks before building the connector: modes whose work runs in the per-layer hooks need
