@@ -15,7 +15,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["vllm_aio", "vllm_aio.*"]),
     python_requires=">=3.10",
-    # The host copy loops (vllm_aio/host_copy.py); vLLM depends on numba too.
+    # The host copy loops (vllm_aio/device/host_copy.py); vLLM depends on numba too.
     # requests: the migration driver (vllm-aio migrate) calls the instances' HTTP API.
     install_requires=["numba", "requests"],
     extras_require={

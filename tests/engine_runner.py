@@ -107,7 +107,7 @@ def _worker_facts(worker) -> dict:
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
 
-    from vllm_aio.amx_permission import ARCH_GET_XCOMP_PERM, TILE_BIT, LibcArchPrctl
+    from vllm_aio.device.amx_permission import ARCH_GET_XCOMP_PERM, TILE_BIT, LibcArchPrctl
 
     amx_tiles = platform.machine() == "x86_64" and bool(LibcArchPrctl().mask(ARCH_GET_XCOMP_PERM) & TILE_BIT)
     layers = get_layers_from_vllm_config(worker.vllm_config, Attention)

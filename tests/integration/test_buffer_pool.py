@@ -13,7 +13,7 @@ import torch
 
 from vllm_aio.backends import Status
 from vllm_aio.backends.local_settings import LocalSettings
-from vllm_aio.block_layout import BlockLayout, cache_tensors
+from vllm_aio.device.block_layout import BlockLayout, cache_tensors
 from vllm_aio.buffer.layer_buffer import LayerBuffer
 
 LAYERS, BUFFERS, BLOCKS = 6, 2, 16

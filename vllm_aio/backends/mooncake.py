@@ -139,7 +139,7 @@ def _select_npu() -> None:
     Elsewhere nothing is imported: the scheduler half stays without torch.
     """
     if importlib.util.find_spec("torch_npu") is not None:
-        from vllm_aio.device import set_process_npu
+        from vllm_aio.device.accelerator import set_process_npu
 
         set_process_npu()
 

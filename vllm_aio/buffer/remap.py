@@ -29,7 +29,7 @@ import torch
 
 from vllm_aio import vllm_compat
 from vllm_aio.config import ConfigError
-from vllm_aio.device import Device
+from vllm_aio.device.accelerator import Device
 
 
 @dataclass

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_aio import vllm_compat
-from vllm_aio.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
+from vllm_aio.device.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
 from vllm_aio.backends import Backend, create_backend
 from vllm_aio.backends.settings import ConfigError
 from vllm_aio.config import TransferMode, parse_extra_config, transfer_mode_of
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from vllm_aio.block_layout import LayerCache
+    from vllm_aio.device.block_layout import LayerCache
     from vllm_aio.config import AioConfig
     from vllm_aio.connector.worker import AioWorker
     from vllm_aio.pool.ownership import Topology

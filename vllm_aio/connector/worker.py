@@ -26,7 +26,7 @@ import threading
 from typing import Any
 
 from vllm_aio.backends import Backend
-from vllm_aio.block_layout import LayerCache, check_groups_alias
+from vllm_aio.device.block_layout import LayerCache, check_groups_alias
 from vllm_aio.buffer.participant import BufferHooks, NoBuffer, open_buffer
 from vllm_aio.config import AioConfig, TransferMode
 from vllm_aio.connector.block_io import BlockIO, open_block_io

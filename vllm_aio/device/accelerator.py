@@ -37,8 +37,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from vllm_aio import link_copy
-from vllm_aio.plane_copy import PlaneCopies
+from vllm_aio.device import link_copy
+from vllm_aio.device.plane_copy import PlaneCopies
 from vllm_aio.log import get_logger
 
 logger = get_logger(__name__)
@@ -146,7 +146,7 @@ class Device:
         if self.torch_device.type == "cuda" and nbytes:
             return _map_cuda(address, nbytes, self.torch_device)
         if self.torch_device.type == "npu" and nbytes:
-            from vllm_aio.npu_host_map import map_for_npu
+            from vllm_aio.device.npu_host_map import map_for_npu
 
             return map_for_npu(address, nbytes, self.torch_device)
         return None
