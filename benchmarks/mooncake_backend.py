@@ -35,8 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_aio.backends import Backend, Segment, Status, create_backend
+from vllm_aio.backends import Backend, Status, create_backend
 from vllm_aio.config import parse_extra_config
+from vllm_aio.device.segment import Segment
 from vllm_aio.devtools.mooncake_pool import MooncakePool
 from benchmarks._report import arguments, print_markdown, write_results
 

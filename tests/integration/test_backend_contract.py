@@ -25,11 +25,12 @@ import pytest
 
 from memcache_fake import FakeDistributedObjectStore, FakeMetaPort, FakeMetaService, write_local_conf
 from memory_backend import MemoryBackend
-from vllm_aio.backends import Backend, Memory, Segment, Status
+from vllm_aio.backends import Backend, Memory, Status
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache import MemcacheBackend
 from vllm_aio.backends.memcache_settings import MemcacheSettings
 from vllm_aio.backends.tiered import TieredBackend
+from vllm_aio.device.segment import Segment
 from vllm_aio.pool.keys import BlockParts
 
 pytest_plugins = ["mooncake_fixtures"]

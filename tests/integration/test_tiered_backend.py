@@ -23,12 +23,13 @@ import pytest
 
 from memcache_fake import FakeDistributedObjectStore, FakeMetaPort, FakeMetaService, write_local_conf
 from memory_backend import MemoryBackend
-from vllm_aio.backends import Backend, Segment, Status
+from vllm_aio.backends import Backend, Status
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache import MemcacheBackend
 from vllm_aio.backends.tiered import TieredBackend
 from vllm_aio.backends.tiered_settings import TieredSettings
 from vllm_aio.config import ConfigError, parse_extra_config
+from vllm_aio.device.segment import Segment
 from vllm_aio.pool.keys import BlockParts
 
 pytest_plugins = ["mooncake_fixtures"]

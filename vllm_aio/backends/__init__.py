@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm_aio.backends.base import Backend, Memory, Segment, SlotStore, Status
+from vllm_aio.backends.base import Backend, Memory, SlotStore, Status
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache_settings import MemcacheSettings
 from vllm_aio.backends.mooncake_settings import MooncakeSettings
@@ -21,7 +21,7 @@ from vllm_aio.backends.tiered_settings import TieredSettings
 if TYPE_CHECKING:
     from vllm_aio.config import AioConfig
 
-__all__ = ["SETTINGS", "Backend", "BackendSettings", "Memory", "Segment", "SlotStore", "Status", "create_backend"]
+__all__ = ["SETTINGS", "Backend", "BackendSettings", "Memory", "SlotStore", "Status", "create_backend"]
 
 SETTINGS: dict[str, type[BackendSettings]] = {
     s.name: s for s in (LocalSettings, MooncakeSettings, MemcacheSettings, TieredSettings)
