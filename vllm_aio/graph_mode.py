@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_aio.backends.settings import ConfigError
+from vllm_aio.errors import ConfigError
 from vllm_aio.config import TransferMode
 
 

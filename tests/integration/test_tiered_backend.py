@@ -28,7 +28,8 @@ from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache import MemcacheBackend
 from vllm_aio.backends.tiered import TieredBackend
 from vllm_aio.backends.tiered_settings import TieredSettings
-from vllm_aio.config import ConfigError, parse_extra_config
+from vllm_aio.config import parse_extra_config
+from vllm_aio.errors import ConfigError
 from vllm_aio.device.segment import Segment
 from vllm_aio.pool.keys import BlockParts
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import require
-from vllm_aio.config import ConfigError
+from vllm_aio.errors import ConfigError
 
 
 @pytest.fixture(scope="module")

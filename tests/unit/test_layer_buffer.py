@@ -385,7 +385,7 @@ def test_pinned_blocks_need_the_remap():
 
 
 def test_attention_backends_that_read_blocks_elsewhere_are_refused():
-    from vllm_aio.config import ConfigError
+    from vllm_aio.errors import ConfigError
     from vllm_aio.buffer.remap import check_backends
 
     check_backends({"layer.0": "CPU_ATTN", "layer.1": "FLASH_ATTN"})

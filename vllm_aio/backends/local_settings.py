@@ -7,7 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from vllm_aio.backends.settings import BackendSettings, ConfigError, parse_size
+from vllm_aio.backends.settings import BackendSettings, parse_size
+
+from vllm_aio.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm_aio.backends.base import Backend

@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from vllm_aio.backends.settings import BackendSettings, ConfigError
+from vllm_aio.backends.settings import BackendSettings
+
+from vllm_aio.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm_aio.backends.base import Backend

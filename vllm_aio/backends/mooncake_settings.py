@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm_aio.backends.remote import split_address
-from vllm_aio.backends.settings import BackendSettings, ConfigError, parse_size
+from vllm_aio.backends.settings import BackendSettings, parse_size
+from vllm_aio.errors import ConfigError
 from vllm_aio.log import get_logger
 
 if TYPE_CHECKING:

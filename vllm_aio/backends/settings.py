@@ -1,11 +1,11 @@
-"""What every backend's settings share: the error type, sizes, the base class.
+"""What every backend's settings share: sizes, the base class.
 
 ``config.py`` parses ``kv_connector_extra_config`` once, at the boundary: it
 hands the keys that belong to the chosen backend to that backend's settings
 class (registered in ``backends/__init__.py``), which adds what its own
 environment variables and files say. Settings are plain data: parsing them
 imports no store library, so the scheduler half imports none until a backend
-is opened. This module imports nothing of the project but the contract, so
+is opened. This module imports nothing of the project but the contract and ``errors.py``, so
 ``config.py`` and every backend can import it without a cycle.
 """
 
@@ -16,15 +16,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from vllm_aio.errors import ConfigError
+
 if TYPE_CHECKING:
     from vllm_aio.backends.base import Backend
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*$", re.IGNORECASE)
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message names the key."""
 
 
 def parse_size(key: str, value: Any) -> int:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache_settings import MemcacheSettings
 from vllm_aio.backends.mooncake_settings import MooncakeSettings
-from vllm_aio.backends.settings import BackendSettings, ConfigError
+from vllm_aio.backends.settings import BackendSettings
+from vllm_aio.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm_aio.backends.base import Backend

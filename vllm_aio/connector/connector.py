@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm_aio import vllm_compat
 from vllm_aio.device.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
 from vllm_aio.backends import Backend, create_backend
-from vllm_aio.backends.settings import ConfigError
+from vllm_aio.errors import ConfigError
 from vllm_aio.config import TransferMode, parse_extra_config, transfer_mode_of
 from vllm_aio.connector.events import KVEvents
 from vllm_aio.connector.scheduler import AioScheduler
