@@ -28,7 +28,7 @@ from typing import Any
 from vllm_aio import vllm_compat
 from vllm_aio.config import AioConfig, TransferMode, parse_extra_config
 from vllm_aio.errors import ConfigError
-from vllm_aio.graph_mode import refuse_full_graphs
+from vllm_aio.shared.graph_mode import refuse_full_graphs
 from vllm_aio.log import get_logger
 from vllm_aio.registration import selects_aio
 

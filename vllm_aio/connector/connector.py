@@ -113,7 +113,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """vLLM asks before building the connector: modes whose work runs in the per-layer hooks need
-        PIECEWISE graphs, which a FULL graph's replay would skip (``graph_mode.py``). A config that
+        PIECEWISE graphs, which a FULL graph's replay would skip (``shared/graph_mode.py``). A config that
         names no valid mode answers False here and fails at the connector's start, naming the key."""
         try:
             return transfer_mode_of(extra_config or {}).runs_per_layer

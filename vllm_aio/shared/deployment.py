@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from vllm_aio import vllm_compat
 from vllm_aio.config import AioConfig, TransferMode
 from vllm_aio.errors import ConfigError
-from vllm_aio.graph_mode import refuse_full_graphs
+from vllm_aio.shared.graph_mode import refuse_full_graphs
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Namespace, Unit
 from vllm_aio.pool.ownership import Topology
