@@ -40,7 +40,7 @@ setup(
         "console_scripts": ["vllm-aio = vllm_aio.cli:main"],
         "vllm.general_plugins": [
             # Lets transfer_mode dynamic_buffer re-plan vLLM's KV cache (a no-op otherwise).
-            "vllm_aio_buffer_plan = vllm_aio.buffer.plan:register",
+            "vllm_aio_buffer_plan = vllm_aio.registration:register_buffer_plan",
             # "kv_connector": "AioConnector" without kv_connector_module_path.
             "vllm_aio_connector = vllm_aio.registration:register",
         ],

@@ -18,7 +18,7 @@ from devices import CUDA, params
 from test_device import registered
 
 from vllm_aio.device import host_copy
-from vllm_aio.buffer.plan import private_blocks
+from vllm_aio.buffer.residency import private_blocks
 from vllm_aio.device.block_layout import BlockLayout
 from vllm_aio.buffer.layer_buffer import LayerBuffer
 from vllm_aio.buffer.steps import split_runs

@@ -33,6 +33,7 @@ SCHEDULER_HALF = (
     "vllm_aio.buffer.planner",
     "vllm_aio.buffer.residency",
     "vllm_aio.migration.flushes",
+    "vllm_aio.registration",  # not the scheduler's, but the plugins' module: vLLM loads it in every process
 )
 
 

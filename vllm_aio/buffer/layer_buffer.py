@@ -46,7 +46,7 @@ import torch
 from vllm_aio.device.block_layout import BlockLayout, LayerCache, cache_tensors
 from vllm_aio.buffer.copier import DIRECT_COPY_BYTES, Copier
 from vllm_aio.buffer.host_kv import HostKV
-from vllm_aio.buffer.plan import private_blocks
+from vllm_aio.buffer.residency import private_blocks
 from vllm_aio.buffer.remap import BlockRemap
 from vllm_aio.buffer.steps import StepPlanner
 from vllm_aio.device.accelerator import Device, npu_private_format
