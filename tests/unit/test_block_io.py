@@ -388,7 +388,7 @@ def test_a_direct_save_that_raises_gives_its_reserved_slot_back(device, monkeypa
 
 @pytest.mark.parametrize("device", DIRECT_DEVICES)
 def test_slots_in_runs_move_by_dma_byte_for_byte(device, monkeypatch):
-    from vllm_aio.connector import mapped_slots
+    from vllm_aio.connector.block_io import mapped_slots
 
     monkeypatch.setattr(mapped_slots, "_MIN_DMA_BYTES", 1)  # every run worth a DMA (accelerators)
     shape = SHAPES["kv_split"]
