@@ -153,7 +153,7 @@ def _aio_counters(llm) -> dict[str, float]:
 
 
 def _result(output, dtype: str) -> dict:
-    from vllm_aio.devtools.greedy import top_two_gap
+    from vllm_aio.migration.margin import top_two_gap
 
     completion = output.outputs[0]
     return {
