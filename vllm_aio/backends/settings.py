@@ -14,12 +14,9 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from vllm_aio.errors import ConfigError
-
-if TYPE_CHECKING:
-    from vllm_aio.backends.base import Backend
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*$", re.IGNORECASE)
@@ -56,13 +53,3 @@ class BackendSettings(ABC):
     @abstractmethod
     def load(cls, inline: Mapping[str, Any], environ: Mapping[str, str]) -> BackendSettings:
         """From its keys of ``kv_connector_extra_config`` and its environment (variables, files)."""
-
-    @abstractmethod
-    def open(self, pool_name: str, value_bytes: int, for_scheduler: bool) -> Backend:
-        """The backend these settings describe; its library is imported now, not before.
-
-        ``pool_name``: the embedded pool's name unless configured; ``value_bytes``:
-        the size of every value; ``for_scheduler``: the store is opened by vLLM's
-        scheduler, which only looks keys up and is created after every worker
-        of the instance.
-        """

@@ -21,7 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_aio import vllm_compat
 from vllm_aio.device.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
-from vllm_aio.backends import Backend, create_backend
+from vllm_aio import backends
+from vllm_aio.backends import Backend
 from vllm_aio.errors import ConfigError
 from vllm_aio.config import TransferMode, parse_extra_config, transfer_mode_of
 from vllm_aio.connector.events import KVEvents
@@ -123,7 +124,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
     def open_backend(self, cfg: "AioConfig", dep: "Deployment", for_scheduler: bool) -> Backend:
         """The pool store this half uses. The one seam for subclasses (the tests'
         fault-injecting and recording connectors wrap what it returns)."""
-        return create_backend(cfg, dep.pool_name, dep.value_bytes, for_scheduler=for_scheduler)
+        return backends.open_backend(cfg.backend_settings, dep.pool_name, dep.value_bytes, for_scheduler=for_scheduler)
 
     # ---- worker side -------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "LayerCache"]) -> None:
