@@ -37,8 +37,8 @@ from vllm_aio.backends.mooncake import (
     put_status,
 )
 from vllm_aio.config import parse_extra_config
-from vllm_aio.errors import ConfigError
 from vllm_aio.devtools.mooncake_pool import CLIENT_TTL, MooncakePool, free_port
+from vllm_aio.errors import ConfigError
 from vllm_aio.pool.keys import BlockParts
 
 pytest_plugins = ["mooncake_fixtures"]

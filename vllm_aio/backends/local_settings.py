@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm_aio.backends.settings import BackendSettings, parse_size
-
 from vllm_aio.errors import ConfigError
 
 ENV_POOL_SIZE = "VLLM_AIO_LOCAL_POOL_SIZE"  # overrides local_pool_size

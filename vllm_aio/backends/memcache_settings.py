@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm_aio.backends.settings import BackendSettings
-
 from vllm_aio.errors import ConfigError
 
 ENV_CONFIG_PATH = "MMC_LOCAL_CONFIG_PATH"

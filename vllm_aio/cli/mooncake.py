@@ -13,7 +13,6 @@ from pathlib import Path
 from types import FrameType
 
 from vllm_aio.config import parse_size
-
 from vllm_aio.errors import ConfigError
 from vllm_aio.log import get_logger
 

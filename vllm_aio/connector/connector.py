@@ -19,16 +19,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from vllm_aio import vllm_compat
-from vllm_aio.device.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
-from vllm_aio import backends
+from vllm_aio import backends, vllm_compat
 from vllm_aio.backends import Backend
-from vllm_aio.errors import ConfigError
 from vllm_aio.config import TransferMode, parse_extra_config, transfer_mode_of
 from vllm_aio.connector.events import KVEvents
 from vllm_aio.connector.scheduler import AioScheduler
 from vllm_aio.connector.stats import AioConnectorStats, AioPromMetrics
 from vllm_aio.connector.vllm_events import SavedPartsEvents, to_vllm
+from vllm_aio.device.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
+from vllm_aio.errors import ConfigError
 from vllm_aio.log import get_logger
 from vllm_aio.pool.ownership import Ownership
 from vllm_aio.shared.deployment import build_deployment
@@ -45,9 +44,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from vllm_aio.device.block_layout import LayerCache
     from vllm_aio.config import AioConfig
     from vllm_aio.connector.worker import AioWorker
+    from vllm_aio.device.block_layout import LayerCache
     from vllm_aio.pool.ownership import Topology
     from vllm_aio.shared.deployment import Deployment
 

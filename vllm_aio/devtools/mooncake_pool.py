@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from vllm_aio.config import parse_size
-
 from vllm_aio.errors import ConfigError
 
 HOST = "127.0.0.1"
