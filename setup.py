@@ -15,7 +15,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["vllm_aio", "vllm_aio.*"]),
     python_requires=">=3.10",
-    # The host copy loops (vllm_aio/host_copy.py); vLLM depends on numba too.
+    # The host copy loops (vllm_aio/device/host_copy.py); vLLM depends on numba too.
     # requests: the migration driver (vllm-aio migrate) calls the instances' HTTP API.
     install_requires=["numba", "requests"],
     extras_require={
@@ -40,7 +40,7 @@ setup(
         "console_scripts": ["vllm-aio = vllm_aio.cli:main"],
         "vllm.general_plugins": [
             # Lets transfer_mode dynamic_buffer re-plan vLLM's KV cache (a no-op otherwise).
-            "vllm_aio_buffer_plan = vllm_aio.buffer.plan:register",
+            "vllm_aio_buffer_plan = vllm_aio.registration:register_buffer_plan",
             # "kv_connector": "AioConnector" without kv_connector_module_path.
             "vllm_aio_connector = vllm_aio.registration:register",
         ],

@@ -35,8 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_aio.backends import Backend, Segment, Status, create_backend
+from vllm_aio import backends
+from vllm_aio.backends import Backend, Status
 from vllm_aio.config import parse_extra_config
+from vllm_aio.device.segment import Segment
 from vllm_aio.devtools.mooncake_pool import MooncakePool
 from benchmarks._report import arguments, print_markdown, write_results
 
@@ -154,7 +156,8 @@ class Bench:
 def open_backend(pool: MooncakePool, engine_segment: str, value_bytes: int) -> Backend:
     """A MooncakeBackend for values of ``value_bytes``, opened on ``pool`` as the connector's worker opens it."""
     extra = {"backend": "mooncake", **pool.config, "global_segment_size": engine_segment}
-    return create_backend(parse_extra_config(extra, environ={}), "bench", value_bytes, for_scheduler=False)
+    return backends.open_backend(parse_extra_config(extra, environ={}).backend_settings, "bench", value_bytes,
+                                 for_scheduler=False)
 
 
 def main() -> int:

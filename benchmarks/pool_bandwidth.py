@@ -78,7 +78,7 @@ def first_copy_seconds() -> float:
     """Time of this process's first host copy: numba compiles its loops, or loads them from its cache."""
     import numpy as np
 
-    from vllm_aio.host_copy import copy_many, copy_rows
+    from vllm_aio.device.host_copy import copy_many, copy_rows
 
     buf = np.zeros(128, np.uint8)
     addr = np.array([buf.ctypes.data])
@@ -94,7 +94,7 @@ def run_case(name: str, num_segs: int, seg: int, blocks: int, repeats: int, seed
 
     from vllm_aio.backends import Status
     from vllm_aio.backends.local import LocalBackend
-    from vllm_aio.host_copy import copy_rows
+    from vllm_aio.device.host_copy import copy_rows
 
     value = num_segs * seg
     total = value * blocks

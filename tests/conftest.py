@@ -426,7 +426,7 @@ def host_has_amx() -> bool:
     """Whether this CPU and kernel offer AMX tiles (vLLM's CPU attention then runs AMX kernels for bf16)."""
     import platform
 
-    from vllm_aio.amx_permission import ARCH_GET_XCOMP_SUPP, TILE_BIT, LibcArchPrctl
+    from vllm_aio.device.amx_permission import ARCH_GET_XCOMP_SUPP, TILE_BIT, LibcArchPrctl
 
     return platform.machine() == "x86_64" and bool(LibcArchPrctl().mask(ARCH_GET_XCOMP_SUPP) & TILE_BIT)
 

@@ -128,7 +128,7 @@ def _worker_facts(worker) -> dict:
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
 
-    from vllm_aio.amx_permission import ARCH_GET_XCOMP_PERM, TILE_BIT, LibcArchPrctl
+    from vllm_aio.device.amx_permission import ARCH_GET_XCOMP_PERM, TILE_BIT, LibcArchPrctl
 
     amx_tiles = platform.machine() == "x86_64" and bool(LibcArchPrctl().mask(ARCH_GET_XCOMP_PERM) & TILE_BIT)
     layers = get_layers_from_vllm_config(worker.vllm_config, Attention)
@@ -174,7 +174,7 @@ def _aio_counters(llm) -> dict[str, float]:
 
 
 def _result(output, dtype: str) -> dict:
-    from vllm_aio.devtools.greedy import top_two_gap
+    from vllm_aio.migration.margin import top_two_gap
 
     completion = output.outputs[0]
     return {

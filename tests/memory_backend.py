@@ -12,7 +12,8 @@ import ctypes
 import threading
 from collections.abc import Sequence
 
-from vllm_aio.backends.base import Backend, Segment, Status, distinct_only
+from vllm_aio.backends.base import Backend, Status, distinct_only
+from vllm_aio.device.segment import Segment
 
 
 class MemoryBackend(Backend):

@@ -32,10 +32,11 @@ from typing import Any
 
 from vllm_aio.backends import SETTINGS, BackendSettings
 from vllm_aio.backends.local_settings import LocalSettings
-from vllm_aio.backends.settings import ConfigError, parse_size
+from vllm_aio.backends.settings import parse_size
+from vllm_aio.errors import ConfigError
 from vllm_aio.log import get_logger
 
-__all__ = ["BACKENDS", "REPLACED_MODE_KEYS", "AioConfig", "ConfigError", "TransferMode", "parse_extra_config", "parse_size"]
+__all__ = ["BACKENDS", "REPLACED_MODE_KEYS", "AioConfig", "TransferMode", "parse_extra_config", "parse_size"]
 
 logger = get_logger(__name__)
 

@@ -48,7 +48,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from vllm_aio.backends.settings import ConfigError
+from vllm_aio.errors import ConfigError
 
 if TYPE_CHECKING:
     # vLLM's types that the dynamic buffer annotates with: ``buffer/`` imports vLLM only through here.

@@ -465,7 +465,7 @@ def test_pool_hits_in_one_engine_give_vllms_prefix_cache_hit_tokens(runs, name, 
 
 
 def _reference(mode: str, speculative: bool = False) -> str:
-    """The engine of the same graphs: per-layer modes run piecewise (``vllm_aio/graph_mode.py``)."""
+    """The engine of the same graphs: per-layer modes run piecewise (``vllm_aio/shared/graph_mode.py``)."""
     per_layer = transfer_mode_of(MODES[mode]).runs_per_layer
     return "reference" + ("-ngram" if speculative else "") + ("-piecewise" if per_layer else "")
 

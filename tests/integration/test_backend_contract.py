@@ -7,7 +7,7 @@
 - ``memcache``: the Memcache backend over its fake client (``memcache_fake.py``);
 - ``tiered``: the embedded pool in front of the in-memory backend (``backends/tiered.py``).
 
-Each backend is opened as the connector opens it (its settings' ``open``, for a
+Each backend is opened as the connector opens it (``backends.open_backend``, for a
 pool of values of one size), except Memcache, whose client is the fake.
 What only one backend does (return codes, eviction, a dead service) is tested
 in ``test_<backend>_backend.py``.
@@ -25,11 +25,13 @@ import pytest
 
 from memcache_fake import FakeDistributedObjectStore, FakeMetaPort, FakeMetaService, write_local_conf
 from memory_backend import MemoryBackend
-from vllm_aio.backends import Backend, Memory, Segment, Status
+from vllm_aio import backends
+from vllm_aio.backends import Backend, Memory, Status
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache import MemcacheBackend
 from vllm_aio.backends.memcache_settings import MemcacheSettings
 from vllm_aio.backends.tiered import TieredBackend
+from vllm_aio.device.segment import Segment
 from vllm_aio.pool.keys import BlockParts
 
 pytest_plugins = ["mooncake_fixtures"]
@@ -70,17 +72,17 @@ def open_backend(request: pytest.FixtureRequest, tmp_path: Path,
         if kind == "mooncake" and shared and (kind, value_bytes) in shared_backends:
             return shared_backends[(kind, value_bytes)]
         if kind == "local":
-            backend = LocalSettings(local_pool_size=64 * value_bytes).open(
-                f"contract-{uuid.uuid4().hex[:12]}", value_bytes, for_scheduler=False)
+            backend = backends.open_backend(LocalSettings(local_pool_size=64 * value_bytes),
+                                            f"contract-{uuid.uuid4().hex[:12]}", value_bytes, for_scheduler=False)
         elif kind == "memory":
             backend = MemoryBackend(value_bytes)
         elif kind == "tiered":
-            local = LocalSettings(local_pool_size=64 * value_bytes).open(
-                f"contract-{uuid.uuid4().hex[:12]}", value_bytes, for_scheduler=False)
+            local = backends.open_backend(LocalSettings(local_pool_size=64 * value_bytes),
+                                          f"contract-{uuid.uuid4().hex[:12]}", value_bytes, for_scheduler=False)
             backend = TieredBackend(local, MemoryBackend(value_bytes), value_bytes, "memory",
                                     write_through=False, queue_size=64)
         elif kind == "mooncake":
-            backend = mooncake_settings.open("unused", value_bytes, for_scheduler=False)
+            backend = backends.open_backend(mooncake_settings, "unused", value_bytes, for_scheduler=False)
         else:
             store = FakeDistributedObjectStore(FakeMetaService())
             backend = MemcacheBackend(memcache_settings, value_bytes=value_bytes, store_factory=lambda: store)

@@ -11,9 +11,9 @@ import uuid
 import pytest
 import torch
 
-from vllm_aio.backends import Status
+from vllm_aio.backends import Status, open_backend
 from vllm_aio.backends.local_settings import LocalSettings
-from vllm_aio.block_layout import BlockLayout, cache_tensors
+from vllm_aio.device.block_layout import BlockLayout, cache_tensors
 from vllm_aio.buffer.layer_buffer import LayerBuffer
 
 LAYERS, BUFFERS, BLOCKS = 6, 2, 16
@@ -40,8 +40,8 @@ def test_blocks_saved_from_one_host_copy_load_into_another_through_the_pool(form
         t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
     put, get = BlockLayout(source.host_caches, names, BLOCKS), BlockLayout(target.host_caches, names, BLOCKS)
     layers = range(LAYERS)
-    backend = LocalSettings(local_pool_size=64 * put.payload_bytes(layers)).open(
-        f"buffer-{uuid.uuid4().hex[:12]}", put.payload_bytes(layers), for_scheduler=False)
+    backend = open_backend(LocalSettings(local_pool_size=64 * put.payload_bytes(layers)),
+                           f"buffer-{uuid.uuid4().hex[:12]}", put.payload_bytes(layers), for_scheduler=False)
     try:
         blocks = [3, 4, 9]
         keys = [f"block-{b}" for b in blocks]

@@ -60,7 +60,7 @@ from vllm_aio.backends.memcache import (
     MemcacheUnavailableError,
     import_store,
 )
-from vllm_aio.config import ConfigError
+from vllm_aio.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 

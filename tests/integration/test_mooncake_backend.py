@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_aio.backends import create_backend
+from vllm_aio.backends import open_backend
 from vllm_aio.backends.base import Status
 from vllm_aio.backends.mooncake import (
     INSTALL_HINT,
@@ -36,8 +36,9 @@ from vllm_aio.backends.mooncake import (
     import_store,
     put_status,
 )
-from vllm_aio.config import ConfigError, parse_extra_config
+from vllm_aio.config import parse_extra_config
 from vllm_aio.devtools.mooncake_pool import CLIENT_TTL, MooncakePool, free_port
+from vllm_aio.errors import ConfigError
 from vllm_aio.pool.keys import BlockParts
 
 pytest_plugins = ["mooncake_fixtures"]
@@ -305,7 +306,7 @@ def tenant_pool(factory: Callable[..., MooncakePool], tmp_path: Any, tenants: tu
 def open_client(pool: MooncakePool, tenant: str, for_scheduler: bool) -> MooncakeBackend:
     """A client as the connector opens it, from inline settings, for values of ``Blocks``."""
     cfg = parse_extra_config({"backend": "mooncake", **pool.config, "tenant_id": tenant}, environ={})
-    backend = create_backend(cfg, "unused", SEGMENTS_PER_KEY * SEGMENT, for_scheduler=for_scheduler)
+    backend = open_backend(cfg.backend_settings, "unused", SEGMENTS_PER_KEY * SEGMENT, for_scheduler=for_scheduler)
     assert isinstance(backend, MooncakeBackend)
     return backend
 

@@ -23,12 +23,14 @@ import pytest
 
 from memcache_fake import FakeDistributedObjectStore, FakeMetaPort, FakeMetaService, write_local_conf
 from memory_backend import MemoryBackend
-from vllm_aio.backends import Backend, Segment, Status
+from vllm_aio.backends import Backend, Status, open_backend
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache import MemcacheBackend
 from vllm_aio.backends.tiered import TieredBackend
 from vllm_aio.backends.tiered_settings import TieredSettings
-from vllm_aio.config import ConfigError, parse_extra_config
+from vllm_aio.config import parse_extra_config
+from vllm_aio.errors import ConfigError
+from vllm_aio.device.segment import Segment
 from vllm_aio.pool.keys import BlockParts
 
 pytest_plugins = ["mooncake_fixtures"]
@@ -65,7 +67,7 @@ def tiered(local=None, remote=None, write_through: bool = False, queue_size: int
 @pytest.fixture
 def local_pool() -> Iterator[Backend]:
     """An embedded pool of 64 values, closed after the test."""
-    backend = LocalSettings(local_pool_size=64 * VALUE).open(f"tiered-{uuid.uuid4().hex[:12]}", VALUE, False)
+    backend = open_backend(LocalSettings(local_pool_size=64 * VALUE), f"tiered-{uuid.uuid4().hex[:12]}", VALUE, False)
     yield backend
     backend.close()
 
@@ -348,7 +350,7 @@ def test_dead_then_restarted_mooncake_master_the_local_tier_serves_and_the_remot
     settings = parse_extra_config(
         {"backend": "tiered", "remote_backend": "mooncake", **pool.config, "local_pool_size": 64 * VALUE,
          "remote_write": "through"}, environ={}).backend_settings
-    backend = settings.open(f"tiered-{uuid.uuid4().hex[:12]}", VALUE, for_scheduler=False)
+    backend = open_backend(settings, f"tiered-{uuid.uuid4().hex[:12]}", VALUE, for_scheduler=False)
     values, ks = Values(3), keys(3)
     backend.register_memory(ctypes.addressof(values.src), 3 * VALUE)
     backend.register_memory(ctypes.addressof(values.dst), 3 * VALUE)

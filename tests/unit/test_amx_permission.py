@@ -1,4 +1,4 @@
-"""The AMX tile permission the worker asks for (``vllm_aio/amx_permission.py``).
+"""The AMX tile permission the worker asks for (``vllm_aio/device/amx_permission.py``).
 
 Against a stand-in for ``arch_prctl`` on every machine, and against the real
 syscall in a fresh interpreter: on a CPU with AMX the process holds the
@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from vllm_aio.amx_permission import (
+from vllm_aio.device.amx_permission import (
     ARCH_GET_XCOMP_PERM,
     ARCH_GET_XCOMP_SUPP,
     TILE_BIT,
@@ -100,7 +100,7 @@ def test_a_granted_request_is_said_once(caplog):
 
 PROBE = """
 import json
-from vllm_aio.amx_permission import ARCH_GET_XCOMP_PERM, ARCH_GET_XCOMP_SUPP, TILE_BIT, LibcArchPrctl, \\
+from vllm_aio.device.amx_permission import ARCH_GET_XCOMP_PERM, ARCH_GET_XCOMP_SUPP, TILE_BIT, LibcArchPrctl, \\
     request_amx_permission
 kernel = LibcArchPrctl()
 has_amx = bool(kernel.mask(ARCH_GET_XCOMP_SUPP) & TILE_BIT)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_aio.backends.local import LocalBackend
-from vllm_aio.block_layout import cache_tensors
+from vllm_aio.device.block_layout import cache_tensors
 from vllm_aio.config import AioConfig, TransferMode
 from vllm_aio.connector.worker import AioWorker
 from vllm_aio.pool.entry import HEADER_BYTES

@@ -24,11 +24,11 @@ from vllm_aio.connector.block_io import (
     BlockIO, BlockRef, CopyHandoff, DirectPath, InPlacePath, StagedPath, ValueLabels, open_block_io,
 )
 from vllm_aio.connector.block_io.staging_save import Copied, StagingSave
-from vllm_aio.block_layout import BlockLayout
-from vllm_aio.connector.mapped_slots import MappedSlots
-from vllm_aio.staging import StagingBuffer
+from vllm_aio.device.block_layout import BlockLayout
+from vllm_aio.connector.block_io.mapped_slots import MappedSlots
+from vllm_aio.device.staging import StagingBuffer
 from vllm_aio.connector.transfer import TransferThread
-from vllm_aio.device import Device
+from vllm_aio.device.accelerator import Device
 from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader
 from vllm_aio.pool.keys import Unit
 
@@ -388,7 +388,7 @@ def test_a_direct_save_that_raises_gives_its_reserved_slot_back(device, monkeypa
 
 @pytest.mark.parametrize("device", DIRECT_DEVICES)
 def test_slots_in_runs_move_by_dma_byte_for_byte(device, monkeypatch):
-    from vllm_aio.connector import mapped_slots
+    from vllm_aio.connector.block_io import mapped_slots
 
     monkeypatch.setattr(mapped_slots, "_MIN_DMA_BYTES", 1)  # every run worth a DMA (accelerators)
     shape = SHAPES["kv_split"]

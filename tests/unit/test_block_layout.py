@@ -1,4 +1,4 @@
-"""Unit tests of ``vllm_aio.block_layout.BlockLayout``: segment addresses and sizes."""
+"""Unit tests of ``vllm_aio.device.block_layout.BlockLayout``: segment addresses and sizes."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_aio import block_layout
-from vllm_aio.block_layout import BlockLayout
-from vllm_aio.device import npu_private_format
+from vllm_aio.device import block_layout
+from vllm_aio.device.block_layout import BlockLayout
+from vllm_aio.device.accelerator import npu_private_format
 
 NUM_BLOCKS = 6
 
@@ -223,7 +223,7 @@ def plane_kernel_moves_blocks(device: str) -> None:
     """The plane kernel gathers a batch of blocks of some layers into rows past a header and
     scatters them elsewhere: the bytes of torch's per-plane path, no other block touched; it leaves
     a one-layer batch to that path."""
-    from vllm_aio.plane_copy import PlaneCopies
+    from vllm_aio.device.plane_copy import PlaneCopies
 
     caches = _mixed_layers(device)
     names = list(caches)

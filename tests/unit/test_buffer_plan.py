@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import require
-from vllm_aio.config import ConfigError
+from vllm_aio.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +62,11 @@ def test_layers_are_placed_round_robin_on_the_buffers(kv):
 def test_private_blocks_stay_out_of_the_schedulers_pool(kv):
     from vllm.v1.core import kv_cache_utils
 
-    from vllm_aio.buffer.plan import private_blocks, register, reserve_private
+    from vllm_aio.buffer.plan import reserve_private
+    from vllm_aio.buffer.residency import private_blocks
+    from vllm_aio.registration import register_buffer_plan
 
-    register()
+    register_buffer_plan()
     config = _config(kv, layers=5, num_blocks=40)
     private = private_blocks(5, 2, resident=4)  # layers 0, 2, 4 share buffer 0: 3 passes x 4 blocks
     reserve_private(config, private)
@@ -166,6 +168,7 @@ def test_features_that_break_the_layer_order_are_refused(change, message):
 
 def test_other_connectors_leave_the_plan_alone():
     from vllm_aio.buffer.plan import buffer_count
+    from vllm_aio.registration import aio_config
 
     extra = {"transfer_mode": "dynamic_buffer", "dynamic_buffer_count": 2}
     other = SimpleNamespace(kv_connector="ExampleConnector", kv_connector_module_path=None,
@@ -174,10 +177,10 @@ def test_other_connectors_leave_the_plan_alone():
                               kv_connector_extra_config=extra)
     by_name = SimpleNamespace(kv_connector="AioConnector", kv_connector_module_path=None,
                               kv_connector_extra_config=extra)
-    assert buffer_count(SimpleNamespace(kv_transfer_config=other)) == 0
-    assert buffer_count(SimpleNamespace(kv_transfer_config=by_path)) == 2
-    assert buffer_count(SimpleNamespace(kv_transfer_config=by_name)) == 2
-    assert buffer_count(SimpleNamespace(kv_transfer_config=None)) == 0
+    assert buffer_count(aio_config(SimpleNamespace(kv_transfer_config=other))) == 0
+    assert buffer_count(aio_config(SimpleNamespace(kv_transfer_config=by_path))) == 2
+    assert buffer_count(aio_config(SimpleNamespace(kv_transfer_config=by_name))) == 2
+    assert buffer_count(aio_config(SimpleNamespace(kv_transfer_config=None))) == 0
 
 
 def _module(name: str, **functions) -> ModuleType:
@@ -189,7 +192,8 @@ def _module(name: str, **functions) -> ModuleType:
 def test_a_planner_in_kv_cache_planning_is_wrapped_and_handed_its_further_parameters(kv, monkeypatch):
     """vLLM 0.33's layout: the planner in ``kv_cache_planning`` with the model's KV cache groups
     as a fourth parameter, the scheduler view left in ``kv_cache_utils``, both imported by the engine core."""
-    from vllm_aio.buffer.plan import alias_layers, register
+    from vllm_aio.buffer.plan import alias_layers
+    from vllm_aio.registration import register_buffer_plan
 
     calls = []
 
@@ -206,7 +210,7 @@ def test_a_planner_in_kv_cache_planning_is_wrapped_and_handed_its_further_parame
                    generate_scheduler_kv_cache_config=scheduler_view)
     for module in (planning, utils, core):
         monkeypatch.setitem(sys.modules, module.__name__, module)
-    register()
+    register_buffer_plan()
     assert core.get_kv_cache_configs is planning.get_kv_cache_configs is not planner
     assert core.generate_scheduler_kv_cache_config is utils.generate_scheduler_kv_cache_config
 

@@ -15,7 +15,8 @@ from vllm_aio.backends import SETTINGS
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache_settings import MemcacheSettings
 from vllm_aio.backends.mooncake_settings import MooncakeSettings
-from vllm_aio.config import BACKENDS, AioConfig, ConfigError, TransferMode, parse_extra_config, parse_size
+from vllm_aio.config import BACKENDS, AioConfig, TransferMode, parse_extra_config, parse_size
+from vllm_aio.errors import ConfigError
 
 NO_ENV: dict[str, str] = {}
 

@@ -103,7 +103,7 @@ def test_block_size_of_a_cache_dcp_does_not_shard_is_not_scaled() -> None:
 
 
 def test_hashes_coarser_or_finer_than_block_ids_are_refused() -> None:
-    from vllm_aio.config import ConfigError
+    from vllm_aio.errors import ConfigError
 
     vllm_config = _vllm_config(dcp=2, pcp=1)
     kv_cache_config = _kv_cache_config(vllm_config)
@@ -180,7 +180,7 @@ def test_a_hybrid_model_loads_in_the_background() -> None:
     ],
 )
 def test_features_naming_one_groups_blocks_are_refused_for_a_hybrid_model(option, reason) -> None:
-    from vllm_aio.config import ConfigError
+    from vllm_aio.errors import ConfigError
 
     with pytest.raises(ConfigError, match=reason):
         _hybrid(**option)
@@ -189,7 +189,8 @@ def test_features_naming_one_groups_blocks_are_refused_for_a_hybrid_model(option
 @pytest.mark.parametrize(("option", "config"), [("transfer_mode dynamic_buffer", {"transfer_mode": "dynamic_buffer"}),
                                                 ("migration", {"migration": True})])
 def test_features_naming_every_block_are_refused_with_a_sliding_window(option, config) -> None:
-    from vllm_aio.config import AioConfig, ConfigError
+    from vllm_aio.config import AioConfig
+    from vllm_aio.errors import ConfigError
     from vllm_aio.shared.deployment import build_deployment
 
     with pytest.raises(ConfigError, match=f"{option} is not supported with sliding-window attention"):
@@ -197,7 +198,8 @@ def test_features_naming_every_block_are_refused_with_a_sliding_window(option, c
 
 
 def test_groups_of_unequal_pages_are_refused() -> None:
-    from vllm_aio.config import AioConfig, ConfigError
+    from vllm_aio.config import AioConfig
+    from vllm_aio.errors import ConfigError
     from vllm_aio.shared.deployment import build_deployment
 
     config = _groups_config(_attention(64), _attention())
@@ -210,7 +212,7 @@ def test_a_state_cache_group_is_refused_with_the_reason() -> None:
     import torch
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from vllm_aio.config import ConfigError
+    from vllm_aio.errors import ConfigError
 
     mamba = MambaSpec(block_size=BLOCK, shapes=((3, 512), (4, 64, 64)), dtypes=(torch.bfloat16, torch.float32))
     with pytest.raises(ConfigError, match="MambaSpec: state caches .* one state per request"):

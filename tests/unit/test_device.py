@@ -15,9 +15,9 @@ import torch
 
 from devices import CUDA as CUDA_DEVICES
 from devices import params
-from vllm_aio import device as device_module
+from vllm_aio.device import accelerator as device_module
 from vllm_aio.buffer.swaps import RowSwaps
-from vllm_aio.device import LINK_COPY_MIN_ROWS, Device
+from vllm_aio.device.accelerator import LINK_COPY_MIN_ROWS, Device
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -116,7 +116,7 @@ def test_npu_kernels_read_and_write_mapped_host_memory_in_place():
     import ctypes
     import mmap
 
-    from vllm_aio.device import host_tensor
+    from vllm_aio.device.accelerator import host_tensor
 
     device = Device(torch.device("npu", 0))  # a mapping is made for one card: named by its index
     region = mmap.mmap(-1, 1 << 20)  # page-aligned, as the pool's /dev/shm slots are

@@ -7,8 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_aio.config import ConfigError, TransferMode
-from vllm_aio.graph_mode import refuse_full_graphs
+from vllm_aio.config import TransferMode
+
+from vllm_aio.errors import ConfigError
+from vllm_aio.shared.graph_mode import refuse_full_graphs
 
 
 def _graphs(name: str, full: bool) -> SimpleNamespace:

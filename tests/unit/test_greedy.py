@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from vllm_aio.devtools.greedy import agreement, top_two_gap
+from vllm_aio.devtools.greedy import agreement
+from vllm_aio.migration.margin import top_two_gap
 
 TIE = 0.05
 TOKENS = [5, 6, 7, 8]

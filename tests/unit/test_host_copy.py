@@ -1,4 +1,4 @@
-"""Unit tests of ``vllm_aio.host_copy``: batched copies, rows, the copy threads.
+"""Unit tests of ``vllm_aio.device.host_copy``: batched copies, rows, the copy threads.
 
 Thread counts are forced with ``threads=`` so that the multi-threaded path
 runs on a 2-core machine too. No timing: speed lives in
@@ -13,8 +13,8 @@ import threading
 import numpy as np
 import pytest
 
-from vllm_aio import host_copy
-from vllm_aio.host_copy import (
+from vllm_aio.device import host_copy
+from vllm_aio.device.host_copy import (
     MIN_BYTES_PER_THREAD,
     copy_many,
     copy_rows,

@@ -17,9 +17,9 @@ import torch
 from devices import CUDA, params
 from test_device import registered
 
-from vllm_aio import host_copy
-from vllm_aio.buffer.plan import private_blocks
-from vllm_aio.block_layout import BlockLayout
+from vllm_aio.device import host_copy
+from vllm_aio.buffer.residency import private_blocks
+from vllm_aio.device.block_layout import BlockLayout
 from vllm_aio.buffer.layer_buffer import LayerBuffer
 from vllm_aio.buffer.steps import split_runs
 from vllm_aio.shared.metadata import BufferStep
@@ -385,7 +385,7 @@ def test_pinned_blocks_need_the_remap():
 
 
 def test_attention_backends_that_read_blocks_elsewhere_are_refused():
-    from vllm_aio.config import ConfigError
+    from vllm_aio.errors import ConfigError
     from vllm_aio.buffer.remap import check_backends
 
     check_backends({"layer.0": "CPU_ATTN", "layer.1": "FLASH_ATTN"})

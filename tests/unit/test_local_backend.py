@@ -20,7 +20,7 @@ import uuid
 import numpy as np
 import pytest
 
-from vllm_aio import host_copy
+from vllm_aio.device import host_copy
 from vllm_aio.backends import local
 from vllm_aio.backends.base import Status
 from vllm_aio.backends.local import LocalBackend

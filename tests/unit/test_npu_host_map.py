@@ -1,4 +1,4 @@
-"""Host memory mapped for the NPU (``vllm_aio/npu_host_map.py``) against a stand-in torch_npu and ACL.
+"""Host memory mapped for the NPU (``vllm_aio/device/npu_host_map.py``) against a stand-in torch_npu and ACL.
 
 vllm-ascend's own CPU unit tests stub torch_npu the same way: here the stand-ins record what the
 mapping asks of torch_npu and of CANN's runtime, so the wiring is pinned where no NPU exists; the
@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_aio import npu_host_map
-from vllm_aio.npu_host_map import ACL_HOST_REG_MAPPED, ACL_HOST_REGISTER_MAPPED, kernel_version, map_for_npu
+from vllm_aio.device import npu_host_map
+from vllm_aio.device.npu_host_map import ACL_HOST_REG_MAPPED, ACL_HOST_REGISTER_MAPPED, kernel_version, map_for_npu
 
 DEVICE_OFFSET = 1 << 40  # where the stand-in runtime "maps" host pages
 

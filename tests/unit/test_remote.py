@@ -15,7 +15,7 @@ from vllm_aio.backends.base import Memory, Status
 from vllm_aio.backends.remote import (
     ABSENT, LOOKUP_BLOCKS, CallGate, MasterLink, Regions, count_by_probes, diagnose, exists_over, split_address,
 )
-from vllm_aio.backends.settings import ConfigError
+from vllm_aio.errors import ConfigError
 from vllm_aio.pool.keys import BlockParts, block_key
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from vllm_aio.config import TransferMode
 from vllm_aio.backends import Backend, Status
-from vllm_aio.backends.settings import ConfigError
+from vllm_aio.errors import ConfigError
 from vllm_aio.shared.deployment import Deployment
 from vllm_aio.connector.leases import LEASE_MIN_SECONDS
 from vllm_aio.connector.scheduler import AioScheduler

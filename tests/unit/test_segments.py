@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_aio.backends.segments import FlatSegments, gather, scatter, total
-from vllm_aio.host_copy import copy_many
+from vllm_aio.device.host_copy import copy_many
 
 
 def random_bytes(size: int, seed: int = 0) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Unit tests of ``vllm_aio.staging.StagingBuffer``: ring-wise slices of one host buffer."""
+"""Unit tests of ``vllm_aio.device.staging.StagingBuffer``: ring-wise slices of one host buffer."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from devices import CUDA, params
 
-from vllm_aio.device import Device
-from vllm_aio.staging import StagingBuffer
+from vllm_aio.device.accelerator import Device
+from vllm_aio.device.staging import StagingBuffer
 
 
 @pytest.fixture(params=params("cpu", *CUDA, "npu"))

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import require
 from vllm_aio import vllm_compat
-from vllm_aio.config import ConfigError
+from vllm_aio.errors import ConfigError
 
 
 def test_a_setting_a_newer_vllm_needs_is_refused_naming_both():

@@ -521,7 +521,7 @@ def _overlaid(seed: int) -> dict[str, torch.Tensor]:
 
 
 def test_groups_not_laid_over_each_other_are_refused():
-    from vllm_aio.block_layout import check_groups_alias
+    from vllm_aio.device.block_layout import check_groups_alias
 
     check_groups_alias(_overlaid(0), [LAYERS, ("w0", "w1")])
     caches = {**kv_caches(0), "w0": kv_caches(1)["l0"], "w1": kv_caches(1)["l1"]}

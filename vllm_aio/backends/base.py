@@ -43,9 +43,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from vllm_aio.device.segment import Segment
 from vllm_aio.pool.keys import BlockParts
-
-Segment = tuple[int, int]  # (address, size in bytes)
 
 # Keys per exists call of the default block lookup: bounded calls, and one
 # that stops soon after the first missing block.

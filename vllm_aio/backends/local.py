@@ -33,9 +33,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from vllm_aio.backends.base import Backend, Segment, Status, distinct_only
+from vllm_aio.backends.base import Backend, Status, distinct_only
 from vllm_aio.backends.segments import FlatSegments
-from vllm_aio.host_copy import copy_many
+from vllm_aio.device.host_copy import copy_many
+from vllm_aio.device.segment import Segment
 from vllm_aio.pool import reaper
 from vllm_aio.pool.host_pool import SLOT_STORED, SharedHostPool, slots_for
 from vllm_aio.pool.ids import BlockGroups, ValueIds, key_groups, key_ids, namespace_groups, value_ids

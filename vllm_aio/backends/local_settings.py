@@ -5,12 +5,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from vllm_aio.backends.settings import BackendSettings, ConfigError, parse_size
-
-if TYPE_CHECKING:
-    from vllm_aio.backends.base import Backend
+from vllm_aio.backends.settings import BackendSettings, parse_size
+from vllm_aio.errors import ConfigError
 
 ENV_POOL_SIZE = "VLLM_AIO_LOCAL_POOL_SIZE"  # overrides local_pool_size
 
@@ -47,11 +45,3 @@ class LocalSettings(BackendSettings):
         if ENV_POOL_SIZE in environ:
             values["local_pool_size"] = parse_size(ENV_POOL_SIZE, environ[ENV_POOL_SIZE])
         return cls(**values)
-
-    def open(self, pool_name: str, value_bytes: int, for_scheduler: bool) -> Backend:
-        from vllm_aio.backends.local import LocalBackend
-
-        # A private pool is sealed once the scheduler, created after every worker, has attached.
-        private = self.local_pool_name is None
-        return LocalBackend(self.local_pool_name or pool_name, self.local_pool_size, value_bytes,
-                            seal=private and for_scheduler, shared=not private)

@@ -33,11 +33,12 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm_aio.backends.base import Backend, Memory, Segment, Status, check_memory, distinct_only
+from vllm_aio.backends.base import Backend, Memory, Status, check_memory, distinct_only
 from vllm_aio.backends.memcache_settings import ENV_CONFIG_PATH, MemcacheSettings, tcp_address
 from vllm_aio.backends.remote import (
     ABSENT, CallGate, MasterLink, Regions, count_by_probes, diagnose, exists_over, tcp_reachable,
 )
+from vllm_aio.device.segment import Segment
 from vllm_aio.pool.keys import BlockParts
 
 __all__ = ["MemcacheBackend", "MemcacheSettings", "MemcacheUnavailableError"]

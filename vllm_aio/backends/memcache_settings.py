@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from vllm_aio.backends.settings import BackendSettings, ConfigError
-
-if TYPE_CHECKING:
-    from vllm_aio.backends.base import Backend
+from vllm_aio.backends.settings import BackendSettings
+from vllm_aio.errors import ConfigError
 
 ENV_CONFIG_PATH = "MMC_LOCAL_CONFIG_PATH"
 
@@ -57,12 +55,6 @@ class MemcacheSettings(BackendSettings):
         return cls(config_path=path, meta_service_url=url,
                    config_store_url=conf.get("ock.mmc.local_service.config_store_url", ""),
                    protocol=conf.get("ock.mmc.local_service.protocol", "host_rdma"), **inline)
-
-    def open(self, pool_name: str, value_bytes: int, for_scheduler: bool) -> Backend:
-        from vllm_aio.backends.memcache import MemcacheBackend
-
-        # The scheduler's client: lookup-only, no memory, no device needed.
-        return MemcacheBackend(replace(self, lookup_only=True) if for_scheduler else self, value_bytes=value_bytes)
 
 
 def read_conf(path: str) -> dict[str, str]:

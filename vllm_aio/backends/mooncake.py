@@ -51,12 +51,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from vllm_aio.backends.base import Backend, Memory, Segment, Status, check_memory, distinct_only
+from vllm_aio.backends.base import Backend, Memory, Status, check_memory, distinct_only
 from vllm_aio.backends.mooncake_settings import DEFAULT_TENANT_ID, MooncakeSettings
 from vllm_aio.backends.remote import (
     ABSENT, CallGate, MasterLink, Regions, count_by_probes, diagnose, exists_over, tcp_reachable,
 )
 from vllm_aio.backends.segments import gather, scatter, total
+from vllm_aio.device.segment import Segment
 from vllm_aio.pool.keys import BlockParts
 
 __all__ = ["MooncakeBackend", "MooncakeSettings", "MooncakeUnavailableError"]  # settings: for the benchmarks
@@ -139,7 +140,7 @@ def _select_npu() -> None:
     Elsewhere nothing is imported: the scheduler half stays without torch.
     """
     if importlib.util.find_spec("torch_npu") is not None:
-        from vllm_aio.device import set_process_npu
+        from vllm_aio.device.accelerator import set_process_npu
 
         set_process_npu()
 

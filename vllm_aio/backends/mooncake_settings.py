@@ -11,7 +11,6 @@ then ``MOONCAKE_MASTER`` / ``MOONCAKE_GLOBAL_SEGMENT_SIZE``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -19,14 +18,12 @@ import re
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from vllm_aio.backends.remote import split_address
-from vllm_aio.backends.settings import BackendSettings, ConfigError, parse_size
+from vllm_aio.backends.settings import BackendSettings, parse_size
+from vllm_aio.errors import ConfigError
 from vllm_aio.log import get_logger
-
-if TYPE_CHECKING:
-    from vllm_aio.backends.base import Backend
 
 logger = get_logger(__name__)
 
@@ -132,14 +129,6 @@ class MooncakeSettings(BackendSettings):
         if self.local_hostname:
             return self.local_hostname
         return route_address(split_address("master_server_address", self.master_server_address)[0])
-
-    def open(self, pool_name: str, value_bytes: int, for_scheduler: bool) -> Backend:
-        from vllm_aio.backends.mooncake import MooncakeBackend
-
-        # The scheduler only looks up: it contributes no memory, and keeps the
-        # tenant_id, as its lookups must see the workers' keys.
-        settings = dataclasses.replace(self, global_segment_size=0) if for_scheduler else self
-        return MooncakeBackend(settings, value_bytes=value_bytes)
 
 
 _FIELDS = frozenset(MooncakeSettings.keys)

@@ -21,8 +21,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from vllm_aio.backends.base import Memory, Segment, Status
-from vllm_aio.backends.settings import ConfigError
+from vllm_aio.backends.base import Memory, Status
+from vllm_aio.device.segment import Segment
+from vllm_aio.errors import ConfigError
 from vllm_aio.log import get_logger
 from vllm_aio.pool.keys import BlockParts
 

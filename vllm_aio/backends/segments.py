@@ -16,7 +16,7 @@ from itertools import chain
 
 import numpy as np
 
-from vllm_aio.backends.base import Segment
+from vllm_aio.device.segment import Segment
 
 Copies = tuple[np.ndarray, np.ndarray, np.ndarray]  # copy_many's arguments
 

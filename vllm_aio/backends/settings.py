@@ -1,11 +1,11 @@
-"""What every backend's settings share: the error type, sizes, the base class.
+"""What every backend's settings share: sizes, the base class.
 
 ``config.py`` parses ``kv_connector_extra_config`` once, at the boundary: it
 hands the keys that belong to the chosen backend to that backend's settings
 class (registered in ``backends/__init__.py``), which adds what its own
 environment variables and files say. Settings are plain data: parsing them
 imports no store library, so the scheduler half imports none until a backend
-is opened. This module imports nothing of the project but the contract, so
+is opened. This module imports nothing of the project but the contract and ``errors.py``, so
 ``config.py`` and every backend can import it without a cycle.
 """
 
@@ -14,17 +14,12 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-if TYPE_CHECKING:
-    from vllm_aio.backends.base import Backend
+from vllm_aio.errors import ConfigError
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*$", re.IGNORECASE)
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message names the key."""
 
 
 def parse_size(key: str, value: Any) -> int:
@@ -58,13 +53,3 @@ class BackendSettings(ABC):
     @abstractmethod
     def load(cls, inline: Mapping[str, Any], environ: Mapping[str, str]) -> BackendSettings:
         """From its keys of ``kv_connector_extra_config`` and its environment (variables, files)."""
-
-    @abstractmethod
-    def open(self, pool_name: str, value_bytes: int, for_scheduler: bool) -> Backend:
-        """The backend these settings describe; its library is imported now, not before.
-
-        ``pool_name``: the embedded pool's name unless configured; ``value_bytes``:
-        the size of every value; ``for_scheduler``: the store is opened by vLLM's
-        scheduler, which only looks keys up and is created after every worker
-        of the instance.
-        """

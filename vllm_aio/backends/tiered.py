@@ -57,7 +57,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from vllm_aio.backends.base import Backend, Memory, Segment, Status, check_memory, distinct_only
+from vllm_aio.backends.base import Backend, Memory, Status, check_memory, distinct_only
+from vllm_aio.device.segment import Segment
 from vllm_aio.log import get_logger
 from vllm_aio.pool.keys import BlockParts
 

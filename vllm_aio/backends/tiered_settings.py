@@ -12,15 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache_settings import MemcacheSettings
 from vllm_aio.backends.mooncake_settings import MooncakeSettings
-from vllm_aio.backends.settings import BackendSettings, ConfigError
-
-if TYPE_CHECKING:
-    from vllm_aio.backends.base import Backend
+from vllm_aio.backends.settings import BackendSettings
+from vllm_aio.errors import ConfigError
 
 REMOTES: dict[str, type[BackendSettings]] = {s.name: s for s in (MooncakeSettings, MemcacheSettings)}
 # "background": saves land in the local tier at once and reach the remote tier
@@ -66,18 +64,6 @@ class TieredSettings(BackendSettings):
             remote=remote.load({k: v for k, v in inline.items() if k in remote.keys}, environ),
             **own,
         )
-
-    def open(self, pool_name: str, value_bytes: int, for_scheduler: bool) -> Backend:
-        from vllm_aio.backends.tiered import TieredBackend
-
-        local = self.local.open(pool_name, value_bytes, for_scheduler)
-        try:
-            remote = self.remote.open(pool_name, value_bytes, for_scheduler)
-        except BaseException:
-            local.close()
-            raise
-        return TieredBackend(local, remote, value_bytes, self.remote.title,
-                             write_through=self.remote_write == "through", queue_size=self.remote_queue_size)
 
 
 def _remote(name: Any) -> type[BackendSettings]:

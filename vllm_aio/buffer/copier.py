@@ -37,12 +37,12 @@ from functools import partial
 import numpy as np
 import torch
 
-from vllm_aio.block_layout import BlockLayout
 from vllm_aio.buffer.host_kv import HostKV, words
 from vllm_aio.buffer.steps import Blocks, Pinned, StepPlan
 from vllm_aio.buffer.swaps import RowSwaps
-from vllm_aio.device import Device
-from vllm_aio.staging import Slice, StagingBuffer, even_ranges
+from vllm_aio.device.accelerator import Device
+from vllm_aio.device.block_layout import BlockLayout
+from vllm_aio.device.staging import Slice, StagingBuffer, even_ranges
 
 # A run of consecutive blocks whose every plane is at least this large is
 # copied in place, host copy <-> device buffer, without staging.

@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from vllm_aio.block_layout import BlockLayout, LayerCache, cache_tensors
-from vllm_aio.device import Device, HostMemory
+from vllm_aio.device.accelerator import Device, HostMemory
+from vllm_aio.device.block_layout import BlockLayout, LayerCache, cache_tensors
 
 # Each layer's region of the host copy starts on a page.
 _HOST_ALIGN = 4096

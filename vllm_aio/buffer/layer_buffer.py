@@ -43,13 +43,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from vllm_aio.block_layout import BlockLayout, LayerCache, cache_tensors
 from vllm_aio.buffer.copier import DIRECT_COPY_BYTES, Copier
 from vllm_aio.buffer.host_kv import HostKV
-from vllm_aio.buffer.plan import private_blocks
 from vllm_aio.buffer.remap import BlockRemap
+from vllm_aio.buffer.residency import private_blocks
 from vllm_aio.buffer.steps import StepPlanner
-from vllm_aio.device import Device, npu_private_format
+from vllm_aio.device.accelerator import Device, npu_private_format
+from vllm_aio.device.block_layout import BlockLayout, LayerCache, cache_tensors
 from vllm_aio.log import get_logger
 from vllm_aio.shared.metadata import BufferStep
 

@@ -15,9 +15,10 @@ before it runs and writes new K/V back before the buffer is reused.
 With ``dynamic_buffer_resident_blocks`` (P), each buffer also holds P private
 blocks for every layer placed on it (``private_blocks``), and the scheduler's
 block pool is that many blocks smaller, so vLLM never hands them out
-(``buffer/residency.py`` does). ``register`` is a ``vllm.general_plugins`` entry
-point (setup.py), called in each vLLM process before the KV cache is planned;
-it changes nothing unless the AioConnector runs with the dynamic buffer.
+(``buffer/residency.py`` does). ``patch_planner`` is called by the
+``vllm_aio_buffer_plan`` plugin (``registration.register_buffer_plan``) in each vLLM
+process before the KV cache is planned; it changes nothing unless the AioConnector
+runs with the dynamic buffer.
 """
 
 from __future__ import annotations
@@ -26,26 +27,29 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_aio import vllm_compat
-from vllm_aio.config import AioConfig, ConfigError, TransferMode, parse_extra_config
-from vllm_aio.graph_mode import refuse_full_graphs
+from vllm_aio.buffer.residency import private_blocks
+from vllm_aio.config import AioConfig, TransferMode
+from vllm_aio.errors import ConfigError
 from vllm_aio.log import get_logger
-from vllm_aio.registration import selects_aio
+from vllm_aio.shared.graph_mode import refuse_full_graphs
 
 logger = get_logger(__name__)
 
 
-def register() -> None:
-    """Patch vLLM's planner (a no-op where an internal it needs is missing: the worker refuses the
-    buffer at start then, naming it, ``vllm_compat.require_buffer_internals``)."""
-    vllm_compat.patch_kv_cache_planner(_planner, _scheduler_view)
+def patch_planner(aio_config: Callable[[Any], AioConfig | None]) -> None:
+    """Patch vLLM's planner to plan for the buffer where ``aio_config(vllm_config)`` (the AioConnector's
+    config, None where another connector runs: ``registration.aio_config``) turns it on. A no-op where
+    an internal it needs is missing: the worker refuses the buffer at start then, naming it
+    (``vllm_compat.require_buffer_internals``)."""
+    vllm_compat.patch_kv_cache_planner(lambda original: _planner(original, aio_config), _scheduler_view)
 
 
-def _planner(original: Callable) -> Callable:
+def _planner(original: Callable, aio_config: Callable[[Any], AioConfig | None]) -> Callable:
     # ``more``: what else this vLLM's planner takes (0.33: the model's KV cache groups, made from the
     # specs alone, not the memory), handed on unchanged.
     def plan(vllm_config, kv_cache_specs, available_memory, *more):
-        cfg = _aio_config(vllm_config)
-        buffers = _count(cfg)
+        cfg = aio_config(vllm_config)
+        buffers = buffer_count(cfg)
         if not buffers:
             return original(vllm_config, kv_cache_specs, available_memory, *more)
         refuse_unsupported(vllm_config)
@@ -83,30 +87,11 @@ def _scheduler_view(original: Callable) -> Callable:
     return scheduler_view
 
 
-def buffer_count(vllm_config: Any) -> int:
-    """S from the AioConnector's extra config; 0 when off or another connector runs."""
-    return _count(_aio_config(vllm_config))
-
-
-def _count(cfg: AioConfig | None) -> int:
+def buffer_count(cfg: AioConfig | None) -> int:
+    """S from the AioConnector's config; 0 when off or another connector runs (``cfg`` None)."""
     if cfg is None or cfg.transfer_mode is not TransferMode.DYNAMIC_BUFFER:
         return 0
     return cfg.dynamic_buffer_count
-
-
-def _aio_config(vllm_config: Any) -> AioConfig | None:
-    """The AioConnector's config, parsed once per plan; None when another connector runs."""
-    transfer = vllm_config.kv_transfer_config
-    return parse_extra_config(transfer.kv_connector_extra_config) if selects_aio(transfer) else None
-
-
-def private_blocks(num_layers: int, buffers: int, resident: int) -> int:
-    """Blocks per buffer past vLLM's: ``resident`` private blocks for each layer placed on it.
-
-    Layer ``l`` keeps its private blocks at ``num_blocks + (l // buffers) * resident``
-    (the worker remaps resident block ids there, ``buffer/remap.py``).
-    """
-    return -(-num_layers // buffers) * resident
 
 
 def reserve_private(config: Any, private: int) -> None:

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from vllm_aio import vllm_compat
-from vllm_aio.config import ConfigError
-from vllm_aio.device import Device
+from vllm_aio.device.accelerator import Device
+from vllm_aio.errors import ConfigError
 
 
 @dataclass

@@ -3,7 +3,7 @@
 With the dynamic buffer, every layer's K/V of a request lives in host memory
 and streams through S device buffers each step. ``dynamic_buffer_resident_blocks``
 (P) reserves, past vLLM's blocks, P private device blocks for every layer
-(``buffer_plan.private_blocks``). A request of the highest retention class
+(``private_blocks``). A request of the highest retention class
 (``priority_cutoffs``) takes one private slot per block it uses, and the worker
 reads and writes those blocks in place in every layer (it remaps vLLM's block
 table and slot mapping to the layer's private blocks between layers), so they
@@ -19,6 +19,15 @@ Plain Python, scheduler side: this module sees block ids, never bytes.
 """
 
 from __future__ import annotations
+
+
+def private_blocks(num_layers: int, buffers: int, resident: int) -> int:
+    """Blocks per buffer past vLLM's: ``resident`` private blocks for each layer placed on it.
+
+    Layer ``l`` keeps its private blocks at ``num_blocks + (l // buffers) * resident``
+    (the worker remaps resident block ids there, ``buffer/remap.py``).
+    """
+    return -(-num_layers // buffers) * resident
 
 
 class Residency:

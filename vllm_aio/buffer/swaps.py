@@ -19,8 +19,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vllm_aio import link_copy, vllm_compat
-from vllm_aio.device import Device
+from vllm_aio import vllm_compat
+from vllm_aio.device import link_copy
+from vllm_aio.device.accelerator import Device
 
 # Programs of a swap (per plane): more slow the forward's kernels beside it more than they speed
 # the link (a prefill of scattered blocks), fewer leave a decode whose step is the link's short

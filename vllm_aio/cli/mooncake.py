@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from vllm_aio.config import ConfigError, parse_size
+from vllm_aio.config import parse_size
+from vllm_aio.errors import ConfigError
 from vllm_aio.log import get_logger
 
 logger = get_logger(__name__)

@@ -19,15 +19,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from vllm_aio import vllm_compat
-from vllm_aio.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
-from vllm_aio.backends import Backend, create_backend
-from vllm_aio.backends.settings import ConfigError
+from vllm_aio import backends, vllm_compat
+from vllm_aio.backends import Backend
 from vllm_aio.config import TransferMode, parse_extra_config, transfer_mode_of
 from vllm_aio.connector.events import KVEvents
 from vllm_aio.connector.scheduler import AioScheduler
 from vllm_aio.connector.stats import AioConnectorStats, AioPromMetrics
 from vllm_aio.connector.vllm_events import SavedPartsEvents, to_vllm
+from vllm_aio.device.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
+from vllm_aio.errors import ConfigError
 from vllm_aio.log import get_logger
 from vllm_aio.pool.ownership import Ownership
 from vllm_aio.shared.deployment import build_deployment
@@ -44,9 +44,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from vllm_aio.block_layout import LayerCache
     from vllm_aio.config import AioConfig
     from vllm_aio.connector.worker import AioWorker
+    from vllm_aio.device.block_layout import LayerCache
     from vllm_aio.pool.ownership import Topology
     from vllm_aio.shared.deployment import Deployment
 
@@ -120,7 +120,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """vLLM asks before building the connector: modes whose work runs in the per-layer hooks need
-        PIECEWISE graphs, which a FULL graph's replay would skip (``graph_mode.py``). A config that
+        PIECEWISE graphs, which a FULL graph's replay would skip (``shared/graph_mode.py``). A config that
         names no valid mode answers False here and fails at the connector's start, naming the key."""
         try:
             return transfer_mode_of(extra_config or {}).runs_per_layer
@@ -130,7 +130,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
     def open_backend(self, cfg: "AioConfig", dep: "Deployment", for_scheduler: bool) -> Backend:
         """The pool store this half uses. The one seam for subclasses (the tests'
         fault-injecting and recording connectors wrap what it returns)."""
-        return create_backend(cfg, dep.pool_name, dep.value_bytes, for_scheduler=for_scheduler)
+        return backends.open_backend(cfg.backend_settings, dep.pool_name, dep.value_bytes, for_scheduler=for_scheduler)
 
     # ---- worker side -------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "LayerCache"]) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from vllm_aio.backends import Backend
-from vllm_aio.backends.settings import ConfigError
+from vllm_aio.errors import ConfigError
 from vllm_aio.buffer.planner import buffer_planner
 from vllm_aio.connector.events import KVEvents
 from vllm_aio.connector.leases import Leases

@@ -26,7 +26,6 @@ import threading
 from typing import Any
 
 from vllm_aio.backends import Backend
-from vllm_aio.block_layout import LayerCache, check_groups_alias
 from vllm_aio.buffer.participant import BufferHooks, NoBuffer, open_buffer
 from vllm_aio.config import AioConfig, TransferMode
 from vllm_aio.connector.block_io import BlockIO, open_block_io
@@ -35,6 +34,7 @@ from vllm_aio.connector.loads import BeforeBuffer, BeforeForward, InBackground, 
 from vllm_aio.connector.saves import LayerwiseSaves, Saves, WholeBlockSaves
 from vllm_aio.connector.stats import AioConnectorStats
 from vllm_aio.connector.transfer import TransferThread
+from vllm_aio.device.block_layout import LayerCache, check_groups_alias
 from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import EntryHeader
 from vllm_aio.pool.ownership import Ownership

@@ -18,7 +18,7 @@ had a clear choice.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # The top-two gap below which a greedy token is a near tie, by the dtype the model ran in. In bf16 a
@@ -27,12 +27,6 @@ from dataclasses import dataclass
 NEAR_TIE = {"bfloat16": 0.07, "float32": 2e-3}
 # Logprobs of two such paths agree to within this before they part (bf16: under two ulps of a logit).
 LOGPROB_TOLERANCE = {"bfloat16": 0.05, "float32": 2e-3}
-
-
-def top_two_gap(logprobs: Iterable[float]) -> float:
-    """The margin of a greedy choice: its logprob minus the runner-up's (inf with one candidate)."""
-    best = sorted(logprobs, reverse=True) + [float("-inf")] * 2
-    return best[0] - best[1]
 
 
 @dataclass(frozen=True)

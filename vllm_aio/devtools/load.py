@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import requests
 
-from vllm_aio.devtools.greedy import agreement, top_two_gap
+from vllm_aio.devtools.greedy import agreement
+from vllm_aio.migration.margin import top_two_gap
 
 
 def server_args(max_num_seqs: int, max_model_len: int = 8192, shutdown_timeout: int | None = 30) -> list[str]:

@@ -34,7 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from vllm_aio.config import ConfigError, parse_size
+from vllm_aio.config import parse_size
+from vllm_aio.errors import ConfigError
 
 HOST = "127.0.0.1"
 INSTALL_HINT = "pip install 'vllm_aio[mooncake]'"

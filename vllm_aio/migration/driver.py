@@ -46,7 +46,7 @@ from typing import Any
 
 import requests
 
-from vllm_aio.devtools.greedy import top_two_gap
+from vllm_aio.migration.margin import top_two_gap
 
 
 class MigrationError(RuntimeError):
@@ -180,7 +180,7 @@ class _Phases:
 class Generation:
     token_ids: list[int]  # generated tokens: on the source, then on the target
     logprobs: list[float]
-    margins: list[float]  # each token's top-two logprob gap: where two generations may part (devtools/greedy.py)
+    margins: list[float]  # each token's top-two logprob gap: where two generations may part (migration/margin.py)
     text: str
     moved_after: int | None  # tokens generated on the source before the move; None: not moved
     report: MoveReport | None = None

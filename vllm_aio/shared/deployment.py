@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_aio import vllm_compat
-from vllm_aio.config import AioConfig, ConfigError, TransferMode
-from vllm_aio.graph_mode import refuse_full_graphs
+from vllm_aio.config import AioConfig, TransferMode
+from vllm_aio.errors import ConfigError
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Namespace, Unit
 from vllm_aio.pool.ownership import Topology
+from vllm_aio.shared.graph_mode import refuse_full_graphs
 
 if TYPE_CHECKING:  # the scheduler half imports this module, and no torch (vLLM imports it)
     from vllm.config import VllmConfig

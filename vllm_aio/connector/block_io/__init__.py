@@ -22,18 +22,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from vllm_aio.backends import Backend, Memory
-from vllm_aio.block_layout import BlockLayout, LayerCache
 from vllm_aio.connector.block_io.base import BlockIO, CopyHandoff, Loaded, chunk_rows
 from vllm_aio.connector.block_io.blocks import Batch, BlockRef, DistinctBlocks
 from vllm_aio.connector.block_io.direct import DirectPath
 from vllm_aio.connector.block_io.in_place import InPlacePath
 from vllm_aio.connector.block_io.labels import ValueLabels
+from vllm_aio.connector.block_io.mapped_slots import MappedSlots
 from vllm_aio.connector.block_io.staged import StagedPath
-from vllm_aio.connector.mapped_slots import MappedSlots
-from vllm_aio.device import Device
+from vllm_aio.device.accelerator import Device
+from vllm_aio.device.block_layout import BlockLayout, LayerCache
+from vllm_aio.device.staging import StagingBuffer
 from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader
-from vllm_aio.staging import StagingBuffer
 
 __all__ = [
     "Batch", "BlockIO", "BlockRef", "CopyHandoff", "DirectPath", "DistinctBlocks", "InPlacePath", "Loaded",

@@ -23,9 +23,9 @@ import torch
 from vllm_aio.backends import Status
 from vllm_aio.connector.block_io.blocks import BlockRef, DistinctBlocks
 from vllm_aio.connector.block_io.labels import ValueLabels
-from vllm_aio.device import Device
+from vllm_aio.device.accelerator import Device
+from vllm_aio.device.staging import even_ranges
 from vllm_aio.pool.keys import Unit
-from vllm_aio.staging import even_ranges
 
 # Bytes per pipelined piece of a batch (pool copy vs. host-device copy).
 _CHUNK_BYTES = 64 << 20

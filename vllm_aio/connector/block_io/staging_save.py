@@ -26,11 +26,11 @@ from vllm_aio.connector.block_io.base import BlockIO, CopyHandoff, chunks
 from vllm_aio.connector.block_io.blocks import BlockRef
 from vllm_aio.connector.block_io.labels import ValueLabels
 from vllm_aio.connector.transfer import TransferThread
-from vllm_aio.device import Device
+from vllm_aio.device.accelerator import Device
+from vllm_aio.device.staging import Slice, StagingBuffer
 from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Unit
-from vllm_aio.staging import Slice, StagingBuffer
 
 logger = get_logger(__name__)
 

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from vllm_aio.device import MappedHost, shared_mapping
+from vllm_aio.device.mapped_host import MappedHost, shared_mapping
 from vllm_aio.log import get_logger
 
 logger = get_logger(__name__)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_aio.backends.settings import ConfigError
 from vllm_aio.config import TransferMode
+from vllm_aio.errors import ConfigError
 
 
 def refuse_full_graphs(mode: TransferMode, vllm_config: Any) -> None:

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_aio.backends import Segment
-from vllm_aio.device import STRIDED_NPU_FORMATS, Device, npu_private_format
-from vllm_aio.host_copy import copy_rows
+from vllm_aio.device.accelerator import STRIDED_NPU_FORMATS, Device, npu_private_format
+from vllm_aio.device.host_copy import copy_rows
+from vllm_aio.device.segment import Segment
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_aio.device import Device
+from vllm_aio.device.accelerator import Device
 
 
 @dataclass(eq=False)

@@ -37,8 +37,9 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from vllm_aio import link_copy
-from vllm_aio.plane_copy import PlaneCopies
+from vllm_aio.device import link_copy
+from vllm_aio.device.mapped_host import MappedHost, shared_mapping, unregister_quietly
+from vllm_aio.device.plane_copy import PlaneCopies
 from vllm_aio.log import get_logger
 
 logger = get_logger(__name__)
@@ -146,7 +147,7 @@ class Device:
         if self.torch_device.type == "cuda" and nbytes:
             return _map_cuda(address, nbytes, self.torch_device)
         if self.torch_device.type == "npu" and nbytes:
-            from vllm_aio.npu_host_map import map_for_npu
+            from vllm_aio.device.npu_host_map import map_for_npu
 
             return map_for_npu(address, nbytes, self.torch_device)
         return None
@@ -222,7 +223,7 @@ class HostMemory:
     ) -> None:
         self.tensor: torch.Tensor | None = tensor
         self._device = device  # where the registration maps the memory (CUDA), else None
-        self._finalizer = weakref.finalize(self, _unregister, tensor, unregister) if unregister else None
+        self._finalizer = weakref.finalize(self, unregister_quietly, tensor, unregister) if unregister else None
         if self._finalizer is not None:
             self._finalizer.atexit = False  # at exit the process's memory goes anyway, the driver may not
 
@@ -237,27 +238,6 @@ class HostMemory:
     def registered(self) -> bool:
         """Whether the memory is registered with the driver and not yet released."""
         return self._finalizer is not None and self._finalizer.alive
-
-    def release(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()  # runs at most once
-        self.tensor = None
-
-
-class MappedHost:
-    """Host memory mapped for the device (``Device.map_host``): ``tensor``, valid until ``release``.
-
-    ``release`` must come after the device's last copy from or to it (it
-    synchronizes the device first) and before the host memory is unmapped.
-    """
-
-    def __init__(self, tensor: torch.Tensor, unmap: Callable[[], None] | None = None) -> None:
-        self.tensor: torch.Tensor | None = tensor
-        # Garbage collection unmaps too: a registration outliving its memory
-        # would refuse the next mapping placed at that address.
-        self._finalizer = weakref.finalize(self, _unregister, tensor, unmap) if unmap else None
-        if self._finalizer is not None:
-            self._finalizer.atexit = False
 
     def release(self) -> None:
         if self._finalizer is not None:
@@ -329,51 +309,12 @@ class _DeviceArray:
 _CU_MEMHOSTREGISTER_PORTABLE, _CU_MEMHOSTREGISTER_DEVICEMAP = 1, 2
 
 
-# (address, bytes, device) -> [view, unmap, users]: a driver registers a range once per process,
-# and several users in one process (a test's saver and loader over one pool) share it.
-_mapped: dict[tuple[int, int, str], list] = {}
-_mapped_lock = threading.Lock()
-
-
-def shared_mapping(address: int, nbytes: int, device: torch.device,
-                   make: Callable[[], tuple[torch.Tensor, Callable[[], None]] | None]) -> MappedHost | None:
-    """The range mapped for ``device`` once for all its users: ``make()`` registers it (the device
-    view and what unregisters it, or None where refused); the last ``release`` unregisters."""
-    region = (address, nbytes, str(device))
-    with _mapped_lock:
-        entry = _mapped.get(region)
-        if entry is None:
-            made = make()
-            if made is None:
-                return None
-            entry = _mapped[region] = [*made, 0]
-        entry[2] += 1
-
-    def unmap() -> None:
-        with _mapped_lock:
-            entry[2] -= 1
-            if entry[2]:
-                return
-            del _mapped[region]
-        entry[1]()
-
-    return MappedHost(entry[0], unmap)
-
-
 def _map_cuda(address: int, nbytes: int, device: torch.device) -> MappedHost:
     def make() -> tuple[torch.Tensor, Callable[[], None]]:
         unregister = _register_cuda(host_tensor(address, nbytes), device)
         return _device_view(address, nbytes, device), unregister
 
     return shared_mapping(address, nbytes, device, make)
-
-
-def _unregister(tensor: torch.Tensor, unregister: Callable[[], None]) -> None:
-    # ``tensor`` is an argument so the memory outlives its registration.
-    try:
-        unregister()
-    except Exception as exc:  # a finalizer must not raise; the process goes on
-        logger.warning("vllm_aio: unregistering %d bytes of host memory failed: %s", tensor.nbytes, exc)
 
 
 def _whole_pages(nbytes: int) -> torch.Tensor:

@@ -37,11 +37,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_aio import host_copy
 from vllm_aio.backends import SlotStore, Status
-from vllm_aio.block_layout import BlockLayout
-from vllm_aio.device import Device, MappedHost, host_tensor
-from vllm_aio.host_copy import copy_rows
+from vllm_aio.device import host_copy
+from vllm_aio.device.accelerator import Device, host_tensor
+from vllm_aio.device.block_layout import BlockLayout
+from vllm_aio.device.host_copy import copy_rows
+from vllm_aio.device.mapped_host import MappedHost
 from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import HASH_PREFIX_BYTES, HEADER_BYTES, describe
 from vllm_aio.pool.keys import Unit
