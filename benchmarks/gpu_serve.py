@@ -1,14 +1,15 @@
 """Serving on one GPU through ``vllm serve`` and vLLM's own client: device KV a quarter of the working set.
 
 The workload is vLLM's ``prefix_repetition`` dataset, measured by ``vllm bench serve``'s module
-(``serve.bench_serve``): by default 16 prefixes of 8,000 tokens, 64-token suffixes, 32 output tokens,
-96 prompts, 8 in flight, on the 8B-shaped model with random weights (``--load-format dummy``; config
-and tokenizer from ``vllm_aio/devtools/tiny_model.py``'s ``llama3_8b`` preset), bfloat16, CUDA graphs
-at vLLM's defaults. The working set is the prefixes' full blocks; each server's device KV is set with
-``--kv-cache-memory-bytes``, and the host tiers (OffloadingConnector's ``cpu_bytes_to_use``, our
-embedded pool) hold the working set and half again. The systems, one server each:
+(``serve.bench_serve``): by default 16 prefixes of 8,000 tokens, 64-token suffixes, 32 output
+tokens, 64 prompts (``--num-prompts``), 8 in flight, on the 8B-shaped model with random weights
+(``--load-format dummy``; config and tokenizer from ``vllm_aio/devtools/tiny_model.py``'s
+``llama3_8b`` preset), bfloat16, CUDA graphs at vLLM's defaults. The working set is the prefixes'
+full blocks; each server's device KV is set with ``--kv-cache-memory-bytes``, and the host tiers
+(OffloadingConnector's ``cpu_bytes_to_use``, our embedded pool) hold the working set and half
+again. The systems, one server each:
 
-- ``vllm``: vLLM's prefix cache alone, the device KV a ``--kv-ratio`` (4) th of the working set;
+- ``vllm``: vLLM's prefix cache alone, the device KV 1/``--kv-ratio`` (1/4) of the working set;
 - ``ceiling``: the same with a device KV holding the whole working set and the running requests;
 - ``offloading``: vLLM's in-tree OffloadingConnector at the capped device KV;
 - ``aio-whole-blocks``, ``aio-layerwise``, ``aio-async``: AioConnector in each ``transfer_mode`` on its
@@ -16,19 +17,20 @@ embedded pool) hold the working set and half again. The systems, one server each
 - ``aio-ceiling``: AioConnector (default mode) beside the ceiling's device KV, where every hit is local.
 
 One GPU: the servers run one after another, each with the GPU to itself (on the CPU build they start
-at once, and are measured one after another). Each gets a warm-up pass (2
-prefixes, 4 prompts, of a seed the measured passes do not use), then ``--repeats`` measured passes,
-each with prefixes of its own (seeds 0, 1, ...; every system gets the same prompts). The table gives
-medians over the passes of vLLM's client's request rate, TTFT mean / median / P99 and ITL mean / P99,
-their ratios to ``ceiling``, and the measured passes' hit tokens from ``/metrics``: vLLM's prefix
-cache (``vllm:prefix_cache_hits``) and the connector (``vllm:external_prefix_cache_hits``;
-AioConnector's own ``vllm:aio_hit_tokens`` goes to the JSON), each as a share of the prompt tokens.
-The issue's targets are checked after the table (not the exit status: figures are measured, not tested).
+at once, and are measured one after another). Each gets a warm-up (a prefix no pass sends, with two
+suffixes, one request after the other, straight to the completions API), then ``--repeats``
+measured passes, each with prefixes of its own (seeds 0, 1, ...; every system gets the same
+prompts). The table gives medians over the passes of vLLM's client's request rate, TTFT mean /
+median / P99 and ITL mean / P99, their ratios to ``ceiling``, and the measured passes' hit tokens
+from ``/metrics``: vLLM's prefix cache (``vllm:prefix_cache_hits``) and the connector
+(``vllm:external_prefix_cache_hits``; AioConnector's own ``vllm:aio_hit_tokens`` goes to the JSON),
+each as a share of the prompt tokens. The issue's targets are checked after the table (not in the
+exit status: figures are measured, not tested); a server that fails is a FAIL row, and exit 1.
 
     python3 -m benchmarks.gpu_serve [--systems vllm,ceiling,...] [--repeats 1] [--plot PATH]
 
 ``--quick``, a smoke test on vLLM's CPU build: the tiny model in float32, eager, 4 prefixes of 512
-tokens, 8 prompts, one pass without a warm-up, two systems (``ceiling``, ``aio-whole-blocks``;
+tokens, 8 prompts, one pass, two systems (``ceiling``, ``aio-whole-blocks``;
 ``--systems`` picks others; OffloadingConnector, which refuses the CPU platform, is skipped there).
 """
 
@@ -46,7 +48,10 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from benchmarks._engine import BLOCK_SIZE, ROOT, aio_transfer_config, kv_bytes_per_token, offloading_transfer_config
+import requests
+
+from benchmarks._engine import (
+    BLOCK_SIZE, ROOT, aio_transfer_config, kv_bytes_per_token, make_prompts, offloading_transfer_config)
 from benchmarks._report import arguments, bar_chart, plot_argument, print_markdown, write_results
 from benchmarks.gpu_ttft import versions
 from benchmarks.serve import MAX_NUM_SEQS, WARM_UP_SEED, Workload, bench_serve
@@ -56,7 +61,7 @@ from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy
 GiB = 1 << 30
 SPARE_BLOCKS = 16  # device blocks beyond what the sizes count: the tokenizer's extra tokens, the scheduler's slack
 HOST_TIER_SHARE = 1.5  # host tiers: the working set and half again (as gpu_ttft.py)
-GPU = Workload(num_prefixes=16, prefix_len=8000, suffix_len=64, output_len=32, num_prompts=96, concurrency=8)
+GPU = Workload(num_prefixes=16, prefix_len=8000, suffix_len=64, output_len=32, num_prompts=64, concurrency=8)
 QUICK = Workload(num_prefixes=4, prefix_len=512, suffix_len=32, output_len=4, num_prompts=8, concurrency=4)
 CEILING = "ceiling"
 DEFAULT_MODE = "aio-whole-blocks"  # AioConfig's default transfer_mode
@@ -190,13 +195,22 @@ def start_server(system: System, sizes: Sizes, model: Path, cpu: bool, logs: Pat
     return Server(system, proc, f"http://127.0.0.1:{port}", server_log, client_log, started)
 
 
+def warm_up(base: str, model: Path, work: Workload) -> None:
+    """A prefix of the workload's length with two suffixes, one request after the other, straight to the
+    completions API (a client process would cost a vLLM import): the first store, and the first load where
+    the connector has the prefix, are paid before the measured passes."""
+    head, *tails = make_prompts(WARM_UP_SEED, [work.prefix_len, work.suffix_len, work.suffix_len])
+    for tail in tails:
+        reply = requests.post(f"{base}/v1/completions", timeout=300,
+                              json={"model": str(model), "prompt": head + tail, "max_tokens": work.output_len})
+        reply.raise_for_status()
+
+
 def measure(server: Server, sizes: Sizes, model: Path, args: argparse.Namespace) -> dict:
-    """A started server: its warm-up pass, its measured passes, and what its counters gained over them."""
+    """A started server: its warm-up, its measured passes, and what its counters gained over them."""
     wait_healthy(server.proc, server.base, server.server_log, args.timeout)
     up_s = time.perf_counter() - server.started
-    if not args.quick:
-        warm = replace(sizes.work, num_prefixes=2, num_prompts=4)
-        bench_serve(server.base, model, warm, warm.num_prompts, WARM_UP_SEED, server.client_log)
+    warm_up(server.base, model, sizes.work)
     before, passes = counters(server.base), []
     for seed in range(args.repeats):
         result = bench_serve(server.base, model, sizes.work, sizes.work.num_prompts, seed, server.client_log)
@@ -223,7 +237,7 @@ def run_group(systems: list[System], sizes: Sizes, model: Path, args: argparse.N
                 rows.append(measure(server, sizes, model, args))
                 print(f"  {server.system.name}: up in {rows[-1]['up_s']:.0f}s, done in {rows[-1]['wall_s']:.0f}s",
                       flush=True)
-            except (RuntimeError, SystemExit) as exc:  # SystemExit: serve.bench_serve's failed pass
+            except (RuntimeError, SystemExit, requests.RequestException) as exc:  # SystemExit: bench_serve's
                 print(f"\n!! {server.system.name}: {exc}\n", flush=True)
                 rows.append({"system": server.system.name, "device_kv_bytes": sizes.device_kv_bytes(server.system),
                              "error": str(exc)})
@@ -337,7 +351,8 @@ def main() -> int:
         systems = [s for s in systems if not s.cpu_refusal]
     logs = Path(tempfile.mkdtemp(prefix="vllm_aio_gpu_serve_"))
     print(f"command: {Path(sys.executable).name} -m benchmarks.gpu_serve {' '.join(sys.argv[1:])}")
-    print(f"{len(systems)} systems one after another, {args.repeats} pass(es) each of {work}; model {model}; "
+    order = "started at once, measured one after another" if args.cpu else "one after another"
+    print(f"{len(systems)} systems ({order}), {args.repeats} pass(es) each of {work}; model {model}; "
           f"device KV {sizes.device_kv_bytes(SYSTEMS[0]) / GiB:.2f} GiB capped, "
           f"{sizes.device_kv_bytes(SYSTEMS[1]) / GiB:.2f} GiB ceiling; logs: {logs}", flush=True)
     # One GPU: one server at a time, each with the GPU to itself. On the CPU build all start at once (a
