@@ -141,11 +141,24 @@ class EngineFailed(RuntimeError):
     pass
 
 
-def kv_bytes_per_token(model_dir: Path) -> int:
-    """K and V of one token in every layer, as the model's config.json shapes them."""
+def aio_transfer_config(extra: dict) -> dict:
+    """``kv_transfer_config`` of AioConnector with ``extra`` as its settings (failed loads recomputed)."""
+    return {"kv_connector": "AioConnector", "kv_connector_module_path": "vllm_aio.connector", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+def offloading_transfer_config(cpu_bytes: int) -> dict:
+    """``kv_transfer_config`` of vLLM's in-tree OffloadingConnector with a CPU tier of ``cpu_bytes`` (0.23's form)."""
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str | None = None) -> int:
+    """K and V of one token in every layer, as the model's config.json shapes them (in ``dtype`` where
+    the model is served in another than its config's)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    dtype = dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
     return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * DTYPE_BYTES[dtype]
 
 

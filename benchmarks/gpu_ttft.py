@@ -76,8 +76,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks._engine import (
-    BLOCK_SIZE, MIN_HIT, ROOT, EngineFailed, EngineProc, Engines, check_loads, exit_code, kv_bytes_per_token,
-    make_prompts, thread_binding)
+    BLOCK_SIZE, MIN_HIT, ROOT, EngineFailed, EngineProc, Engines, aio_transfer_config, check_loads, exit_code,
+    kv_bytes_per_token, make_prompts, offloading_transfer_config, thread_binding)
 from benchmarks._report import arguments, print_markdown, progress, write_results
 
 SHAPES = {"8b": "llama3_8b", "medium": "medium", "tiny": "tiny"}  # --model-shape -> tiny_model preset
@@ -166,11 +166,8 @@ def kv_transfer_config(system: System, sizes: Sizes) -> dict | None:
     if system.connector is None:
         return None
     if system.connector == "offloading":
-        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"cpu_bytes_to_use": sizes.host_tier_bytes}}
-    return {"kv_connector": "AioConnector", "kv_connector_module_path": "vllm_aio.connector", "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"local_pool_size": sizes.host_tier_bytes, "transfer_mode": system.connector}}
+        return offloading_transfer_config(sizes.host_tier_bytes)
+    return aio_transfer_config({"local_pool_size": sizes.host_tier_bytes, "transfer_mode": system.connector})
 
 
 def measure_link(nbytes: list[int]) -> dict:

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from benchmarks._engine import BLOCK_SIZE, ROOT
+from benchmarks._engine import BLOCK_SIZE, ROOT, aio_transfer_config
 from benchmarks._report import arguments, bar_chart, plot_argument, print_markdown, write_results
 from vllm_aio.devtools.load import SERVER_ENV, read_metrics
 from vllm_aio.devtools.mooncake_pool import MooncakePool
@@ -68,7 +68,7 @@ CLIENT = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
 
 @dataclass(frozen=True)
 class Workload:
-    """What ``prefix_repetition`` sends, and the pool the connector gets."""
+    """What ``prefix_repetition`` sends, and the pool the connector gets (``gpu_serve`` sizes its own)."""
 
     num_prefixes: int
     prefix_len: int
@@ -76,7 +76,7 @@ class Workload:
     output_len: int
     num_prompts: int
     concurrency: int
-    pool_size: str
+    pool_size: str = ""
 
     def max_model_len(self) -> int:
         """Room for the longest request, rounded up to whole 1,024s (the tokenizer may add a token or two)."""
@@ -132,11 +132,6 @@ def server_args(config: Config, work: Workload) -> list[str]:
             "--num-gpu-blocks-override", str(config.blocks),
             "--enable-prefix-caching" if config.prefix_cache else "--no-enable-prefix-caching",
             "--shutdown-timeout", "30"]  # lets the engine detach from its pool (see load.server_args)
-
-
-def kv_transfer_config(extra: dict) -> dict:
-    return {"kv_connector": "AioConnector", "kv_connector_module_path": "vllm_aio.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def pool_settings(config: Config, work: Workload, stack: contextlib.ExitStack, logs: Path) -> dict | None:
@@ -209,7 +204,7 @@ def start_server(config: Config, model: Path, work: Workload, stack: contextlib.
     extra = pool_settings(config, work, stack, logs)
     server_log, client_log = logs / f"{config.slug}-server.log", logs / f"{config.slug}-client.log"
     port = free_port()
-    kv = kv_transfer_config(extra) if extra is not None else None
+    kv = aio_transfer_config(extra) if extra is not None else None
     proc = stack.enter_context(vllm_server(str(model), port, server_log, server_args(config, work), kv, SERVER_ENV))
     return Server(config, proc, f"http://127.0.0.1:{port}", server_log, client_log)
 

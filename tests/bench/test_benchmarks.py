@@ -7,8 +7,8 @@ they start side by side when the first test runs and their tests wait for
 them (their engines' OpenMP threads unpinned, as the engine tests run theirs), while the
 others run one at a time meanwhile. ``priority``, ``soak`` and ``buffer_capacity``
 (one engine or server at a time, one torch thread each) then start side by
-side: alone, each kept one of the two cores busy. ``serve`` (a server and
-vLLM's benchmark client, twice) comes last, alone. Under ``CI`` a missing
+side: alone, each kept one of the two cores busy. ``serve`` and ``gpu_serve`` (two
+servers each, and vLLM's benchmark client) come last, side by side. Under ``CI`` a missing
 prerequisite fails the test, as ``conftest.require`` does, instead of
 skipping it.
 """
@@ -48,11 +48,16 @@ SCRIPTS = {
     "priority": (("vllm",), "system"),  # one engine at a time: run beside the others
     "soak": (("vllm",), "soak"),  # one server at a time, as priority
     "buffer_capacity": (("vllm",), "system"),  # three engines one after the other, as priority
-    "serve": (("vllm",), "config"),  # two servers one after the other, each with vLLM's client: alone, last
+    "serve": (("vllm",), "config"),  # two servers at once, each with vLLM's client: last, beside gpu_serve
+    "gpu_serve": (("vllm",), "system"),  # as serve (on the CPU build its two servers start at once)
 }
 ENGINE_SCRIPTS = ("ttft", "mooncake_ttft", "gpu_ttft", "migration")
 # Started together when the first of them is tested: after the engine scripts' tests (SCRIPTS' order).
 LATE_SCRIPTS = ("priority", "soak", "buffer_capacity")
+# Started together when the first of them is tested, after the late scripts: servers that mostly wait
+# for their clients (a client's start is a vLLM import), so that two side by side take less than one
+# after the other.
+LAST_SCRIPTS = ("serve", "gpu_serve")
 # One torch thread beside the engines: threads spinning at OpenMP barriers on busy cores made a
 # two-second run take a minute, and slowed the engines down too.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -146,6 +151,12 @@ def late_runs(request, out: Path) -> Iterator[dict[str, Run]]:
     yield from started_together(request, out, LATE_SCRIPTS, ONE_THREAD)
 
 
+@pytest.fixture(scope="module")
+def last_runs(request, out: Path) -> Iterator[dict[str, Run]]:
+    """Requested by the first last script's test (the late scripts are done by then)."""
+    yield from started_together(request, out, LAST_SCRIPTS, ONE_THREAD)
+
+
 def has_table(output: str, first_column: str) -> bool:
     """A markdown table whose first column is ``first_column``, with at least one row."""
     lines = output.splitlines()
@@ -163,8 +174,9 @@ def test_quick_run(request, script: str, engine_runs: dict[str, Run], out: Path)
         if os.environ.get("CI"):
             pytest.fail(f"CI requires what {script}.py needs: {reason}", pytrace=False)
         pytest.skip(reason)
-    late = request.getfixturevalue("late_runs") if script in LATE_SCRIPTS else {}
-    run = engine_runs.get(script) or late.get(script) or Run.start(script, out, env=ONE_THREAD)
+    group = {**(request.getfixturevalue("late_runs") if script in LATE_SCRIPTS else {}),
+             **(request.getfixturevalue("last_runs") if script in LAST_SCRIPTS else {})}
+    run = engine_runs.get(script) or group.get(script) or Run.start(script, out, env=ONE_THREAD)
     output = run.wait()
     assert run.proc.returncode == 0, f"{script}.py --quick exited {run.proc.returncode}:\n{output[-6000:]}"
     assert has_table(output, first_column), f"{script}.py --quick printed no table:\n{output[-6000:]}"

