@@ -31,9 +31,11 @@ from pathlib import Path
 import pytest
 
 from vllm_aio.config import transfer_mode_of
-from conftest import Engine, aio_config, assert_output_varies, assert_same_generation, make_prompts
-from kv_event_subscriber import Subscriber, ours
-from mooncake_fixtures import missing_prerequisite
+from harness.assertions import assert_output_varies, assert_same_generation
+from harness.engines import Engine, aio_config
+from harness.prompts import make_prompts
+from harness.kv_event_subscriber import Subscriber, ours
+from harness.mooncake_fixtures import missing_prerequisite
 from vllm_aio.devtools.mooncake_pool import MooncakePool
 
 BLOCK = 16  # FlashAttention's block size, and the 16n+1 prompts of the FULL-graph case

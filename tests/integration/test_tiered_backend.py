@@ -21,8 +21,8 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from memcache_fake import FakeDistributedObjectStore, FakeMetaPort, FakeMetaService, write_local_conf
-from memory_backend import MemoryBackend
+from harness.memcache_fake import FakeDistributedObjectStore, FakeMetaPort, FakeMetaService, write_local_conf
+from harness.memory_backend import MemoryBackend
 from vllm_aio.backends import Backend, Segment, Status
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache import MemcacheBackend
@@ -31,7 +31,7 @@ from vllm_aio.backends.tiered_settings import TieredSettings
 from vllm_aio.config import ConfigError, parse_extra_config
 from vllm_aio.pool.keys import BlockParts
 
-pytest_plugins = ["mooncake_fixtures"]
+pytest_plugins = ["harness.mooncake_fixtures"]
 
 VALUE = 256  # bytes of every value
 
@@ -402,7 +402,8 @@ def test_each_tier_reads_its_own_settings_keys_and_variables():
     ({"device_id": 0}, 'device_id: Memcache settings need remote_backend "memcache"'),
     ({"master_server_address": "nowhere"}, "master_server_address: expected 'host:port'"),
     ({"local_pool_name": "a/b"}, "local_pool_name: expected 1-64 characters"),
-], ids=["no-remote", "unknown-remote", "remote-as-list", "write-mode", "queue-size", "other-remote-key", "remote-key", "local-key"])
+], ids=["no-remote", "unknown-remote", "remote-as-list", "write-mode", "queue-size", "other-remote-key", "remote-key",
+        "local-key"])
 def test_bad_settings_fail_at_start_naming_the_key_and_what_is_accepted(extra: dict, message: str):
     config = {k: v for k, v in {**MOONCAKE, **extra}.items() if v is not None}
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from devices import CUDA, params
+from harness.devices import CUDA, params
 
 from vllm_aio.device import Device
 from vllm_aio.staging import StagingBuffer
