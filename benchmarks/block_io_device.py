@@ -235,7 +235,8 @@ class Bench:
                 writes["direct_save"] = lambda: wall(acc, lambda: do_save(direct))
             mapped = device.map_host(*pool.region()) if direct.direct and acc.is_async else None
             if mapped is not None:  # the direct path's kernels alone
-                slots = torch.tensor([p[0] for p in backend.slots().pin_for_read(load_keys)], dtype=torch.int64, device=dev)
+                slots = torch.tensor([p[0] for p in backend.slots().pin_for_read(load_keys)], dtype=torch.int64,
+                                     device=dev)
                 rows = mapped.tensor.view(torch.int64).view(-1, value // 8)
                 words = dev_rows.view(torch.int64)
                 reads["slot_gather"] = lambda: events(lambda: torch.index_select(rows, 0, slots, out=words))
@@ -278,7 +279,8 @@ class Bench:
             })
         if "slot_gather" in med:
             row.update({
-                "slot_gather_GBps": gbps(batch, med["slot_gather"]), "slot_scatter_GBps": gbps(batch, med["slot_scatter"]),
+                "slot_gather_GBps": gbps(batch, med["slot_gather"]),
+                "slot_scatter_GBps": gbps(batch, med["slot_scatter"]),
                 "direct_load_stage_sum_s": med["slot_gather"] + med["scatter"],
                 "direct_save_stage_sum_s": med["gather"] + med["slot_scatter"],
             })
@@ -295,8 +297,9 @@ class Bench:
                 row["direct_load_over_h2d"] = row["direct_load_GBps"] / row["h2d_GBps"]
                 row["direct_save_over_d2h"] = row["direct_save_GBps"] / row["d2h_GBps"]
         print(f"  {case.unit_name} x {n}: direct load {fmt(row, 'direct_load_GBps')} GB/s, direct save "
-              f"{fmt(row, 'direct_save_GBps')} GB/s; staged load {row['load_GBps']:.2f} GB/s, save {row['save_GBps']:.2f} GB/s, "
-              f"check {row.get('check')}, direct check {row.get('direct_check', 'n/a')}, evictions {row['evictions_timed']}", flush=True)
+              f"{fmt(row, 'direct_save_GBps')} GB/s; staged load {row['load_GBps']:.2f} GB/s, "
+              f"save {row['save_GBps']:.2f} GB/s, check {row.get('check')}, "
+              f"direct check {row.get('direct_check', 'n/a')}, evictions {row['evictions_timed']}", flush=True)
         return row
 
     def _check(self, unit: Unit, src: list[int], dst: list[int]) -> str:
@@ -386,7 +389,8 @@ def conclusion(rows: list[dict]) -> str:
     direct = " ".join(
         f"Direct path, {r['case']} x {r['blocks']}: load {r['direct_load_over_h2d']:.0%} of pinned H2D, save "
         f"{r['direct_save_over_d2h']:.0%} of pinned D2H." for r in done if "direct_load_over_h2d" in r)
-    return direct + " " + (f"Staged path bound ({big['case']} x {big['blocks']}): load by {load_b}, save by {save_b}; with the "
+    return direct + " " + (f"Staged path bound ({big['case']} x {big['blocks']}): load by {load_b}, "
+                           f"save by {save_b}; with the "
             f"stages overlapped, load reaches {big['load_over_h2d']:.0%} of pinned H2D ({big['load_GBps']:.1f} of "
             f"{big['h2d_GBps']:.1f} GB/s), save {big['save_over_d2h']:.0%} of pinned D2H "
             f"({big['save_GBps']:.1f} of {big['d2h_GBps']:.1f} GB/s).")

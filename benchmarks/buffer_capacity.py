@@ -92,7 +92,8 @@ def spec_of(system: str, sizes: Sizes, args: argparse.Namespace) -> tuple[dict |
     if system == "buffer":
         config = {"kv_connector": "AioConnector", "kv_connector_module_path": "vllm_aio.connector",
                   "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
-                  "kv_connector_extra_config": {"transfer_mode": "dynamic_buffer", "dynamic_buffer_count": sizes.buffers,
+                  "kv_connector_extra_config": {"transfer_mode": "dynamic_buffer",
+                                                "dynamic_buffer_count": sizes.buffers,
                                                 "local_pool_size": 64 << 20}}
     spec = {"load_format": "dummy", "dtype": "bfloat16", "kv_cache_memory_bytes": sizes.kv_bytes(system),
             "gpu_memory_utilization": args.gpu_share, "max_num_seqs": sizes.concurrency,
@@ -246,7 +247,8 @@ def main() -> int:
                    title=f"(a) The longest prompt served, {title}; TTFT of the buffer's longest (capped: its own)")
     print_markdown(["prompt tokens", "system", "prompt tok/s", "req/s", "mean TTFT ms", "/ bound", "/ capped"],
                    prefill_table(results, sizes, args.requests), left=2,
-                   title=f"(b) Prefill node: {args.requests} prompts at once, {args.concurrency} running, one token each")
+                   title=f"(b) Prefill node: {args.requests} prompts at once, {args.concurrency} running, "
+                         "one token each")
     print_markdown(["system", "ms / output token", "link floor ms", "x floor"], decode_table(results, sizes, h2d, args),
                    left=1, title=f"(c) Decode over a {args.decode_context}-token context: its KV over pinned H2D "
                                  f"({h2d:.1f} GB/s) is the floor of a streamed step")

@@ -121,6 +121,7 @@ Results JSON goes to ``benchmarks/results/dynamic_buffer.json`` unless ``--json`
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -747,7 +748,7 @@ def measure_priority(acc: Accel, m: Model, b: PriorityBatch, w: Weights, args, g
             for mode in ("streamed", "pinned")}
     real["pinned"].run(w, x0, real["pinned"].first)  # fills the private copies, untimed
     resident = torch.zeros(m.layers, *real["streamed"].views[0].shape, dtype=DTYPE, device=acc.device)
-    runs = {"resident": lambda: step.run_resident(w, x0, resident),
+    runs = {"resident": functools.partial(step.run_resident, w, x0, resident),
             **{mode: (lambda rb=rb: rb.run(w, x0)) for mode, rb in real.items()}}
     samples: dict[str, list[float]] = {mode: [] for mode in runs}
     for rep in range(args.warmup + args.decode_repeats):

@@ -382,7 +382,8 @@ def print_tables(rows: list[dict], floors: list[dict], title: str) -> None:
     head = ["prefix tokens", "system", "cold ms", "cold / vLLM", "warm ms", "cached", "/recompute",
             "/prefix cache", "/offloading", "x floor", "req/s"]
     print_markdown(head, [[str(r["prefix_tokens"]), r["system"], fig(r, r.get("cold_ms"), ".1f", None),
-                           fig(r, r.get("cold_ratio"), ".2f", None), fig(r, r.get("warm_ms"), ".1f"), fig(r, r.get("cached_min"), "d", None),
+                           fig(r, r.get("cold_ratio"), ".2f", None), fig(r, r.get("warm_ms"), ".1f"),
+                           fig(r, r.get("cached_min"), "d", None),
                            *(ratio(r, b) for b in BASELINES), fig(r, r.get("x_floor"), ".2f"),
                            fig(r, r.get("req_per_s"), ".2f", "batch_miss")] for r in rows],
                    left=2, title=title)

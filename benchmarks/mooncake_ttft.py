@@ -146,7 +146,8 @@ class Bench:
         self.workdir.mkdir(parents=True)
         env = {k: v for k, v in os.environ.items() if k not in SCRUB_ENV}
         env.update(VLLM_CPU_KVCACHE_SPACE=str(KV_GIB),
-                   VLLM_CPU_OMP_THREADS_BIND=args.tp2_bind if tp == 2 else thread_binding()["VLLM_CPU_OMP_THREADS_BIND"])
+                   VLLM_CPU_OMP_THREADS_BIND=(args.tp2_bind if tp == 2
+                                              else thread_binding()["VLLM_CPU_OMP_THREADS_BIND"]))
         self.engines = Engines(model_dir, self.workdir, max(8192, max(lengths) + 512), args.timeout, env,
                                seed=20_000 + tp * 100)
         self.pools: dict = {}

@@ -158,7 +158,8 @@ def main() -> int:
         body.append([system, f"{high:.1%} ({n_high})", f"{low:.1%} ({n_low})",
                      *(f"{counters.get(name, 0):.0f}" for name in ("save_failures", "load_failures"))])
     print_markdown(["system", "high-priority hit rate (requests)", "low-priority hit rate (requests)",
-                    "save failures", "load failures"], body, left=1, title=f"Pool hit rate by priority ({args.backend})")
+                    "save failures", "load failures"], body, left=1,
+                   title=f"Pool hit rate by priority ({args.backend})")
     write_results(args.json, "priority", started,
                   backend=args.backend, pool_bytes=pool_bytes, working_set=working_set, results=results)
     return 0

@@ -46,13 +46,9 @@ import importlib
 import inspect
 import sys
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm_aio.errors import ConfigError
-
-if TYPE_CHECKING:
-    # vLLM's types that the dynamic buffer annotates with: ``buffer/`` imports vLLM only through here.
-    from vllm.v1.core.sched.output import SchedulerOutput
 
 NEWEST = "0.32"  # what the seams below that refuse need (per-request load failures, hybrid models)
 

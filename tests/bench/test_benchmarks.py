@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EAGER, ROOT, THREADS
+from harness.engines import EAGER, THREADS
+from harness.prerequisites import ROOT
 
 TIMEOUT_S = 300  # per script, from its start (a guard against hangs)
 # script -> (what it needs beyond torch, the first column of a table it prints)

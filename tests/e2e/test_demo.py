@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT
+from harness.prerequisites import ROOT
 
 
 def test_demo_serves_the_warm_request_from_the_pool_and_reports_it(tiny_model):

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import uuid
 
-from conftest import aio_config, assert_same_generation, block_value_bytes, host_has_amx, make_prompts
+from harness.assertions import assert_same_generation
+from harness.engines import aio_config, block_value_bytes
+from harness.prerequisites import host_has_amx
+from harness.prompts import make_prompts
 from vllm_aio.pool.host_pool import SharedHostPool
 
 PROMPT = make_prompts(81, [20 * 32 + 1])  # 20 full blocks and one token

@@ -17,7 +17,9 @@ import uuid
 
 import pytest
 
-from conftest import FLOAT32, Engine, aio_config, assert_same_generation, make_prompts
+from harness.assertions import assert_same_generation
+from harness.engines import FLOAT32, Engine, aio_config
+from harness.prompts import make_prompts
 
 PAGE = 6 * 32 << 10  # bytes of one block of all six layers (2 KV heads x 64 x 32 tokens, float32, K and V)
 MEMORY = 15 * PAGE  # KV memory: 15 blocks normally, 45 with the buffer
@@ -110,7 +112,7 @@ def test_blocks_lost_or_torn_at_a_load_into_the_buffers_host_copy_are_recomputed
     rounds, _, _ = reference
     engine = Engine(tiny6_model, tmp_path)
     config = _buffer(local_pool_size="256MB")
-    config.update(kv_connector="FaultyAioConnector", kv_connector_module_path="faulty_connector")
+    config.update(kv_connector="FaultyAioConnector", kv_connector_module_path="harness.faulty_connector")
     cold, warm = engine.run(ROUNDS, config, env={**IN_PROCESS, "AIO_FAULT": "lost_and_torn"},
                             **{**RUN, "enable_prefix_caching": False})
     assert_same_generation(cold, rounds[0])
@@ -123,7 +125,7 @@ def test_a_layer_never_loaded_changes_the_output(tiny6_model, tmp_path, referenc
     rounds, _, _ = reference
     engine = Engine(tiny6_model, tmp_path)
     config = _buffer()
-    config.update(kv_connector="FaultyAioConnector", kv_connector_module_path="faulty_connector")
+    config.update(kv_connector="FaultyAioConnector", kv_connector_module_path="harness.faulty_connector")
     (first,) = engine.run([PROMPTS], config, env={**IN_PROCESS, "AIO_FAULT": "skip_buffer_load"}, **RUN)
     with pytest.raises(AssertionError):
         assert_same_generation(first, rounds[0])

@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, Engine, aio_config, assert_output_varies, assert_same_generation, make_prompts, require
+from harness.assertions import assert_output_varies, assert_same_generation
+from harness.engines import Engine, aio_config
+from harness.preemption import IN_PROCESS, RUN
+from harness.preemption import PROMPTS as PREEMPTED
+from harness.prerequisites import ROOT, require
+from harness.prompts import make_prompts
 
 PROMPTS = make_prompts(11, [330, 700])
 BLOCK = 32
@@ -63,7 +68,7 @@ def test_warm_run_of_a_sliding_window_model_loads_every_group_and_matches_no_con
 def test_a_lost_block_of_a_hybrid_model_recomputes_the_request(swa_model, swa_baseline, tmp_path):
     # vLLM 0.32 refuses failed block ids of several groups: the request is reported failed whole.
     engine = Engine(swa_model, tmp_path)
-    config = aio_config(module="faulty_connector", connector="FaultyAioConnector", local_pool_size="256MB")
+    config = aio_config(module="harness.faulty_connector", connector="FaultyAioConnector", local_pool_size="256MB")
     cold, warm = engine.run([PROMPTS, PROMPTS], config, env={"AIO_FAULT": "lost_and_torn"}, timeout=200)
     # Once per request: a request recomputed after a failed load is not offered the pool again.
     assert engine.last_log.count("vLLM recomputes the whole request") == len(PROMPTS)
@@ -90,8 +95,6 @@ def test_a_preempted_hybrid_request_resumes_from_its_rescued_blocks(swa_model, t
     # full-attention block and the sliding-window blocks still in the window, which
     # is all a resumption's hit needs; a window block vLLM freed earlier must never
     # be stored (it may hold another request's KV: the output would differ).
-    from test_e2e_preemption import IN_PROCESS, PROMPTS as PREEMPTED, RUN
-
     # vLLM sets a sliding window's blocks aside for every sequence (4 x 3 of the 36 here):
     # the full-attention layers get 24 blocks, which 4 sequences of ~550 tokens overflow.
     run = {**RUN, "num_gpu_blocks_override": 36, "max_model_len": 640}

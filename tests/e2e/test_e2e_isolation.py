@@ -16,7 +16,9 @@ import uuid
 
 import pytest
 
-from conftest import PROMPTS, aio_config, assert_same_generation, block_value_bytes
+from harness.assertions import assert_same_generation
+from harness.engines import aio_config, block_value_bytes
+from harness.prompts import PROMPTS
 from vllm_aio.pool.host_pool import SharedHostPool
 
 

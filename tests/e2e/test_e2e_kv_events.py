@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import aio_config, make_prompts
-from kv_event_subscriber import Subscriber, ours, removed_hashes, stored_hashes
+from harness.engines import aio_config
+from harness.prompts import make_prompts
+from harness.kv_event_subscriber import Subscriber, ours, removed_hashes, stored_hashes
 
 BLOCK = 32
 POOL_SLOTS = 8  # values of one block (the tiny model at TP=1 stores one per block)
@@ -48,7 +49,9 @@ def test_pool_blocks_are_published_stored_then_removed_after_eviction(engine, su
             assert subscriber.wait_for(lambda ev: len(stored_hashes(ev)) >= 4), subscriber.events
             announced.extend(stored_hashes(subscriber.events))
         else:  # the filler's blocks are in the pool, and evicted the first prompt's
-            done = lambda ev: len(stored_hashes(ev)) >= 4 + POOL_SLOTS and set(announced) <= removed_hashes(ev)
+            def done(ev) -> bool:
+                return len(stored_hashes(ev)) >= 4 + POOL_SLOTS and set(announced) <= removed_hashes(ev)
+
             assert subscriber.wait_for(done), subscriber.events
 
     config = aio_config(local_pool_size=POOL_SLOTS * _value_bytes(tiny_model))

@@ -33,11 +33,12 @@ import psutil
 import pytest
 import requests
 
-from conftest import EAGER, THREADS, LogTail, aio_config
+from harness.engines import EAGER, THREADS, LogTail, aio_config
+from harness.servers import serve
 from vllm_aio.devtools.load import (SERVER_ENV, LoadMix, Outcome, compare, read_metrics, run_load, server_args,
                                    stream_completion)
 from vllm_aio.devtools.mooncake_pool import MooncakePool
-from vllm_aio.devtools.serve import free_port, log_tail, vllm_server, wait_healthy
+from vllm_aio.devtools.serve import log_tail
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.host_pool import SharedHostPool
 from vllm_aio.pool.inspect import snapshot
@@ -78,15 +79,13 @@ class LoadServer:
 
     def __init__(self, model: Path, log_path: Path, kv_transfer_config: dict | None, args: list[str]) -> None:
         self.model, self.log_path = model, log_path
-        self.base = f"http://127.0.0.1:{free_port()}"
-        self._server = vllm_server(str(model), int(self.base.rsplit(":", 1)[1]), log_path, args,
-                                   kv_transfer_config, ENV)
-        self.proc = self._server.__enter__()
-        self._metrics: dict[str, float] = {}
         self._log_tail = LogTail(log_path)
+        self._serving = serve(model, log_path, args, kv_transfer_config, ENV, startup_s=300)
+        self.server = self._serving.__enter__()
+        self.base, self.proc = self.server.url, self.server.proc
+        self._metrics: dict[str, float] = {}
         self.stopped: Stopped | None = None
         self.memory: list[int] = []  # the server's processes' resident bytes after each pass
-        wait_healthy(self.proc, self.base, log_path, 300)
 
     def load(self, on_done: Callable[[int], None] | None = None) -> LoadPass:
         """The load once; ``on_done(n)`` runs as the pass's n-th request completes."""
@@ -126,10 +125,9 @@ class LoadServer:
 
     def stop(self) -> Stopped:
         if self.stopped is None:
-            self.proc.send_signal(signal.SIGTERM)  # as a user stops it; the context kills what is left
-            exit_code = self.proc.wait(timeout=120)
+            exit_code = self.server.terminate(timeout=120)  # as a user stops it; the context kills what is left
             group_left = _group_alive_after(self.proc.pid, seconds=15)
-            self._server.__exit__(None, None, None)
+            self._serving.__exit__(None, None, None)
             self.stopped = Stopped(exit_code, group_left, self.log_path.read_text(errors="replace"))
         return self.stopped
 
@@ -307,7 +305,7 @@ def _shm_files_gone(name: str, seconds: float) -> bool:
 @pytest.fixture(scope="module")
 def load_pool(tmp_path_factory) -> Iterator[MooncakePool]:
     """The Mooncake server's pool, of the module's own: its tests kill parts of it."""
-    from mooncake_fixtures import require_mooncake  # a plugin module elsewhere: imported late, as pytest wants
+    from harness.mooncake_fixtures import require_mooncake  # a plugin module elsewhere: imported late, as pytest wants
 
     require_mooncake()
     with MooncakePool(POOL_SIZE, log_dir=tmp_path_factory.mktemp("load-pool")) as pool:
@@ -375,12 +373,10 @@ def test_mooncake_memory_owner_killed_under_load_fails_no_request(mooncake, base
 def test_a_worker_killed_under_load_fails_requests_with_an_error_and_hangs_none(tiny_model, tmp_path, baseline):
     # vLLM cannot go on without its worker; what the connector owes is no hang: each request ends,
     # with the baseline's output or an error, well before its client gives up.
-    log_path, port = tmp_path / "server.log", free_port()
-    base = f"http://127.0.0.1:{port}"
     config = aio_config(local_pool_size=POOL_SIZE)
-    with vllm_server(str(tiny_model), port, log_path, server_args(CONCURRENCY), config, ENV) as proc:
-        wait_healthy(proc, base, log_path, 300)
-        worker = _worker_pid(proc.pid)
+    with serve(tiny_model, tmp_path / "server.log", server_args(CONCURRENCY), config, ENV, startup_s=300) as server:
+        base = server.url
+        worker = _worker_pid(server.proc.pid)
         kill = at(MIX.num_requests // 3, lambda: os.kill(worker, signal.SIGKILL))
         done = iter(range(1, MIX.num_requests + 1))
         # A stream silent for 120 s ends in a ReadTimeout: that would be a hang.

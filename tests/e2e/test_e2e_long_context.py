@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 
-from conftest import aio_config, assert_output_varies, assert_same_generation, make_prompts
+from harness.assertions import assert_output_varies, assert_same_generation
+from harness.engines import aio_config
+from harness.prompts import make_prompts
 from vllm_aio.pool.entry import HEADER_BYTES
 
 MAX_MODEL_LEN = 8192  # the tiny model's max_position_embeddings
@@ -35,7 +37,7 @@ def layer_value_bytes(model) -> int:
 def test_a_fully_cached_longest_prompt_loads_every_part_and_a_part_evicted_after_lookup_is_recomputed(
     engine, tiny_model
 ):
-    config = aio_config(module="faulty_connector", connector="FaultyAioConnector", local_pool_size="64MB",
+    config = aio_config(module="harness.faulty_connector", connector="FaultyAioConnector", local_pool_size="64MB",
                         transfer_mode="layerwise")
     cold, warm, evicted = engine.run([[PROMPT]] * 3, config, env={"AIO_FAULT": "evict_after_lookup"}, **LONG)
     assert (cold[0]["cached"], warm[0]["cached"]) == (0, FULL_BLOCKS * BLOCK)

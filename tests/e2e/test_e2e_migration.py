@@ -25,8 +25,11 @@ import uuid
 import pytest
 import requests
 
-from conftest import ROOT, aio_config, assert_same_continuation, make_prompts, require
-from servers import Servers
+from harness.assertions import assert_same_continuation
+from harness.engines import aio_config
+from harness.prerequisites import ROOT, require
+from harness.prompts import make_prompts
+from harness.servers import Servers
 from vllm_aio.migration.driver import Instance, MigrationError, generate_migrating, move_kv
 from vllm_aio.migration.transport import late_write_bound
 

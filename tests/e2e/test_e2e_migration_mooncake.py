@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import aio_config, assert_same_continuation, make_prompts, require
-from servers import Servers
+from harness.assertions import assert_same_continuation
+from harness.engines import aio_config
+from harness.prerequisites import require
+from harness.prompts import make_prompts
+from harness.servers import Servers
 from vllm_aio.migration.driver import Instance, generate_migrating
 
-pytest_plugins = ["mooncake_fixtures"]
+pytest_plugins = ["harness.mooncake_fixtures"]
 
 MAX_TOKENS, AFTER = 1024, 16  # decoding well past the move (see test_e2e_migration.py)
 NO_EOS = {"ignore_eos": True}

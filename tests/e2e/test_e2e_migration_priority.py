@@ -28,8 +28,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import ROOT, aio_config, assert_same_continuation, make_prompts, require
-from servers import Servers
+from harness.assertions import assert_same_continuation
+from harness.engines import aio_config
+from harness.prerequisites import ROOT, require
+from harness.prompts import make_prompts
+from harness.servers import Servers
 from vllm_aio.devtools.serve import free_port, stop_server, wait_healthy
 from vllm_aio.migration.driver import Generation, Instance, generate_migrating
 

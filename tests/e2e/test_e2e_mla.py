@@ -9,7 +9,9 @@ import json
 import uuid
 from pathlib import Path
 
-from conftest import MLA, PROMPTS, TP2, Engine, aio_config, assert_output_varies, assert_same_generation
+from harness.assertions import assert_output_varies, assert_same_generation
+from harness.engines import MLA, TP2, Engine, aio_config
+from harness.prompts import PROMPTS
 from vllm_aio.pool.entry import HEADER_BYTES
 
 # A warm MLA request computes its last few prompt tokens through CPU_MLA's
@@ -28,7 +30,7 @@ def _value_bytes(model: Path) -> int:
 
 
 def _keys_per_process(record_dir: Path) -> list[set[str]]:
-    """What each process stored, as tests/recording_connector.py wrote it."""
+    """What each process stored, as tests/harness/recording_connector.py wrote it."""
     return [set(path.read_text().split()) for path in sorted(record_dir.iterdir())]
 
 
@@ -38,7 +40,7 @@ def test_mla_ranks_store_one_copy_of_the_latent_half_each(tiny_mla_model, tmp_pa
     prompts, name = PROMPTS["tp2"], f"mla-{uuid.uuid4().hex[:8]}"
     record_dir = tmp_path / "stored"
     record_dir.mkdir()
-    config = aio_config(module="recording_connector", connector="RecordingAioConnector", local_pool_name=name)
+    config = aio_config(module="harness.recording_connector", connector="RecordingAioConnector", local_pool_name=name)
     env = {**TP2["env"], "AIO_RECORD_DIR": str(record_dir)}
     holder = SharedHostPool(name, _value_bytes(tiny_mla_model), 4096)
     try:

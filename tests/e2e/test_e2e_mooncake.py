@@ -13,9 +13,11 @@ import socket
 
 import pytest
 
-from conftest import PROMPTS, aio_config, assert_same_generation
+from harness.assertions import assert_same_generation
+from harness.engines import aio_config
+from harness.prompts import PROMPTS
 
-pytest_plugins = ["mooncake_fixtures"]
+pytest_plugins = ["harness.mooncake_fixtures"]
 
 
 def mooncake(role: str, pool) -> dict:

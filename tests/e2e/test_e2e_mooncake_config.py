@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROMPTS, Engine, aio_config, assert_same_generation
+from harness.assertions import assert_same_generation
+from harness.engines import Engine, aio_config
+from harness.prompts import PROMPTS
 from vllm_aio.devtools.mooncake_pool import MooncakePool
 
 IGNORING = "ignoring keys that mean nothing to vllm_aio: "
@@ -53,7 +55,7 @@ def cached_fraction(result: dict) -> float:
 @pytest.fixture(scope="module")
 def tenant_pool(tmp_path_factory: pytest.TempPathFactory):
     """One pool whose master keeps tenants "a" and "b" apart."""
-    from mooncake_fixtures import require_mooncake  # a plugin module: imported late, as pytest wants
+    from harness.mooncake_fixtures import require_mooncake  # a plugin module: imported late, as pytest wants
 
     require_mooncake()
     logs = tmp_path_factory.mktemp("mooncake-tenants")

@@ -19,11 +19,14 @@ from __future__ import annotations
 import pytest
 import requests
 
-from conftest import ROOT, Engine, assert_same_generation, make_prompts
-from vllm_aio.devtools.serve import free_port, vllm_server, wait_healthy
+from harness.assertions import assert_same_generation
+from harness.engines import Engine
+from harness.prerequisites import ROOT
+from harness.prompts import make_prompts
+from harness.servers import serve
 
 pytestmark = pytest.mark.npu
-pytest_plugins = ["mooncake_fixtures"]
+pytest_plugins = ["harness.mooncake_fixtures"]
 
 BLOCK = 128
 POOL = "256MB"
@@ -47,13 +50,12 @@ def test_warm_request_on_npu_loads_its_prefix_from_the_pool(engine: Engine):
 
 def test_warm_request_in_graph_mode_loads_its_prefix_from_the_pool(tiny_model, tmp_path):
     (prompt,) = make_prompts(22, [600])
-    port, log = free_port(), tmp_path / "server.log"
+    log = tmp_path / "server.log"
     args = ["--block-size", str(BLOCK), "--max-model-len", "4096", "--no-enforce-eager",
             "--no-enable-prefix-caching", "--enable-prompt-tokens-details"]
     env = {"PYTHONHASHSEED": "0", "PYTHONPATH": str(ROOT)}
-    with vllm_server(str(tiny_model), port, log, args, embedded(), env) as proc:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, url, log, 600)
+    with serve(tiny_model, log, args, embedded(), env, startup_s=600) as server:
+        url = server.url
         cold, warm = (_complete(url, str(tiny_model), prompt) for _ in range(2))
     assert "enforce_eager=False" in log.read_text()  # the engine's config line: graphs, not eager
     assert cold[1] == 0 and warm[1] == 512

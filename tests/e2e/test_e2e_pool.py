@@ -14,15 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (PROMPTS, TP2, Engine, LiveEngine, Round, aio_config, assert_output_varies, assert_same_generation,
-                      block_value_bytes, host_has_amx)
+from harness.assertions import assert_output_varies, assert_same_generation
+from harness.engines import TP2, TRANSFER_MODES, Engine, LiveEngine, Round, aio_config, block_value_bytes
+from harness.prerequisites import host_has_amx
+from harness.prompts import PROMPTS
 
 
 def _cached_fraction(result: dict) -> float:
     return result["cached"] / result["prompt_len"]
 
 
-TRANSFER_MODES = {mode: {"transfer_mode": mode} for mode in ("whole_blocks", "layerwise", "async")}
 
 # A second pass served from the pool, in every transfer mode: see
 # test_e2e_shared_prefix.py, which does it with four requests per step.
@@ -64,7 +65,8 @@ def test_pool_smaller_than_the_prompts_still_gives_baseline_output(engine, basel
 
 
 def _faulty(**extra) -> dict:
-    return aio_config(module="faulty_connector", connector="FaultyAioConnector", local_pool_size="256MB", **extra)
+    return aio_config(module="harness.faulty_connector", connector="FaultyAioConnector", local_pool_size="256MB",
+                      **extra)
 
 
 @dataclass
@@ -100,7 +102,8 @@ def test_blocks_lost_or_torn_at_load_are_recomputed(faulty_engine, baseline):
 @pytest.mark.parametrize("mode", ["layerwise", "async"])
 def test_blocks_lost_or_torn_at_a_layerwise_or_background_load_are_recomputed(engine, baseline, mode):
     prompts = PROMPTS["faults"]
-    cold, warm = engine.run([prompts, prompts], _faulty(**TRANSFER_MODES[mode]), env={"AIO_FAULT": "lost_and_torn"})
+    cold, warm = engine.run([prompts, prompts], _faulty(**TRANSFER_MODES[mode]),
+                            env={"AIO_FAULT": "lost_and_torn"})
     assert_same_generation(warm, baseline["faults"])
     assert "pool blocks could not be loaded (1 corrupt, 1 missing); vLLM recomputes them" in engine.last_log
 

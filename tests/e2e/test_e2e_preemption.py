@@ -12,28 +12,9 @@ queried and not hit for resumed requests.
 
 from __future__ import annotations
 
-from conftest import FLOAT32, aio_config, assert_same_generation, make_prompts
-
-PROMPTS = make_prompts(seed=71, lengths=[300, 290, 310, 305])
-BLOCK = 32
-PRIORITIES = [0, 1, 1, 1]  # vLLM: lower is more important; the three 1s are preempted first
-RUN = {
-    "scheduling_policy": "priority",
-    "priorities": [PRIORITIES],
-    "max_num_seqs": 4,
-    "max_num_batched_tokens": 256,
-    "enable_prefix_caching": True,
-    # The prompts take 40 blocks of 32 tokens, the whole sequences 72: a preempted
-    # request's freed blocks go to the others' decodes before it resumes, so
-    # vLLM's prefix cache has lost most of them by then.
-    "num_gpu_blocks_override": 48,
-    "max_tokens": 256,
-    "max_model_len": 1024,
-    # A resumed request attends over loaded decode-written KV where the baseline recomputed it:
-    # float32, so that rounding is far below what a wrong byte does (conftest.LOGPROB_TOLERANCE).
-    **FLOAT32,
-}
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # every request queued before the first step
+from harness.assertions import assert_same_generation
+from harness.engines import aio_config
+from harness.preemption import BLOCK, IN_PROCESS, PROMPTS, RUN
 
 
 def test_a_preempted_request_resumes_by_loading_its_blocks_not_recomputing_them(engine):

@@ -32,11 +32,11 @@ import uuid
 
 import pytest
 
-from conftest import FLOAT32, TP2, Engine, aio_config, assert_output_varies, assert_same_generation
-from test_e2e_pool import TRANSFER_MODES
+from harness.assertions import assert_output_varies, assert_same_generation
+from harness.engines import FLOAT32, TP2, TRANSFER_MODES, Engine, aio_config
 from vllm_aio.pool.entry import HEADER_BYTES
 
-pytest_plugins = ["mooncake_fixtures"]
+pytest_plugins = ["harness.mooncake_fixtures"]
 
 BLOCK = 32
 PREFIX_TOKENS = 900  # 28 whole blocks shared by every prompt
@@ -124,8 +124,8 @@ def test_ranks_sharing_one_kv_head_store_one_copy_and_load_a_shared_prefix_for_e
 ):
     pool = mooncake_pool_factory("512MB")
     engine = Engine(tiny_1kv_model, tmp_path)
-    cold, warm = engine.run([PROMPTS, PROMPTS], mooncake(pool), between_rounds=lambda _: until_stored(pool, DISTINCT_BLOCKS),
-                            **TOGETHER_TP2)
+    cold, warm = engine.run([PROMPTS, PROMPTS], mooncake(pool),
+                            between_rounds=lambda _: until_stored(pool, DISTINCT_BLOCKS), **TOGETHER_TP2)
     assert_output_varies(cold)
     assert_every_shared_block_served(engine, cold, warm, cold)  # the cold pass as reference: see conftest
     # One value per distinct block between the two ranks: the entry header, then the block's bytes.

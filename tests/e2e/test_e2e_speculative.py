@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import FLOAT32, aio_config, assert_same_generation, make_prompts
+from harness.assertions import assert_same_generation
+from harness.engines import FLOAT32, aio_config
+from harness.prompts import make_prompts
 
 PROMPTS = [segment * 3 for segment in make_prompts(seed=81, lengths=[100, 110, 90])]
 RUN = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
@@ -23,7 +25,7 @@ IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 @pytest.fixture(scope="module")
 def baseline(tiny_model, tmp_path_factory):
-    from conftest import Engine
+    from harness.engines import Engine
 
     engine = Engine(tiny_model, tmp_path_factory.mktemp("speculative"))
     rounds = engine.run([PROMPTS, PROMPTS], env=IN_PROCESS, **RUN)

@@ -13,9 +13,11 @@ from __future__ import annotations
 import threading
 import uuid
 
-from conftest import PROMPTS, Engine, aio_config, assert_same_generation
+from harness.assertions import assert_same_generation
+from harness.engines import Engine, aio_config
+from harness.prompts import PROMPTS
 
-pytest_plugins = ["mooncake_fixtures"]
+pytest_plugins = ["harness.mooncake_fixtures"]
 
 
 def tiered(pool, node: str) -> dict:

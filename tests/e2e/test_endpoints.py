@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,8 +21,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import EAGER, ROOT, aio_config, require
-from vllm_aio.devtools.serve import free_port, server_command, stop_server, wait_healthy
+from harness.engines import EAGER, aio_config
+from harness.prerequisites import ROOT, require
+from harness.servers import serve
 from vllm_aio.migration.channel import MAX_BODY_BYTES, ControlServer, socket_path
 
 API_KEY = "test-key"
@@ -57,29 +57,20 @@ def server(tiny_model: Path) -> Iterator[Server]:
     _require_entry_point()
     # A runtime dir of this module's own: the server's socket path and the test's agree through it.
     runtime_dir = tempfile.mkdtemp(prefix="ep-", dir="/tmp")
-    port = free_port()
     log_path = Path(runtime_dir) / "server.log"
-    cmd = server_command(str(tiny_model)) + [
-        "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-        "--block-size", "32", "--max-model-len", "4096", "--enforce-eager",
-        # No engine_id: the test checks that the generated one reaches both processes.
-        "--kv-transfer-config", json.dumps(aio_config(local_pool_size="64MB")),
-    ]
-    env = {**os.environ, "VLLM_PLUGINS": VLLM_PLUGINS, "XDG_RUNTIME_DIR": runtime_dir,
-           "VLLM_CPU_KVCACHE_SPACE": "1", **EAGER,
+    args = ["--api-key", API_KEY, "--block-size", "32", "--max-model-len", "4096", "--enforce-eager"]
+    config = aio_config(local_pool_size="64MB")  # no engine_id: the test checks that the generated one reaches both
+    env = {"VLLM_PLUGINS": VLLM_PLUGINS, "XDG_RUNTIME_DIR": runtime_dir, "VLLM_CPU_KVCACHE_SPACE": "1", **EAGER,
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    with pytest.MonkeyPatch.context() as mp, open(log_path, "wb") as log:
-        mp.setenv("XDG_RUNTIME_DIR", runtime_dir)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            wait_healthy(proc, base, log_path, timeout_s=180)
-            found = ENGINE_CORE_ENGINE_ID.search(log_path.read_text(errors="replace"))
-            assert found, f"no engine_id line from the engine core in {log_path}"
-            yield Server(base, found.group(1))
-        finally:
-            stop_server(proc)
-            shutil.rmtree(runtime_dir)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("XDG_RUNTIME_DIR", runtime_dir)
+            with serve(tiny_model, log_path, args, config, env, startup_s=180) as running:
+                found = ENGINE_CORE_ENGINE_ID.search(log_path.read_text(errors="replace"))
+                assert found, f"no engine_id line from the engine core in {log_path}"
+                yield Server(running.url, found.group(1))
+    finally:
+        shutil.rmtree(runtime_dir)
 
 
 def test_a_call_without_the_api_key_is_refused_with_401(server: Server):

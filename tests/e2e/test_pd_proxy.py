@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import requests
 
-from conftest import ROOT
+from harness.prerequisites import ROOT
 
 
 def _load_proxy():

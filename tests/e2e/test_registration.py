@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import Engine, make_prompts, require
-from servers import PLUGINS
+from harness.engines import Engine
+from harness.prerequisites import require
+from harness.prompts import make_prompts
+from harness.servers import PLUGINS
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def test_other_connectors_resolve_as_before(factory):
     assert factory.get_connector_class(_transfer_config(kv_connector="ExampleConnector")) is ExampleConnector
     # A module path still wins over our registered name, as for any connector.
     by_path = _transfer_config(kv_connector="RecordingAioConnector",
-                               kv_connector_module_path="recording_connector")
+                               kv_connector_module_path="harness.recording_connector")
     assert factory.get_connector_class(by_path).__name__ == "RecordingAioConnector"
 
 
@@ -53,7 +55,7 @@ def test_subclasses_of_the_connector_in_other_modules_count_as_ours(factory):
     from vllm_aio.registration import selects_aio
 
     assert selects_aio(_transfer_config(kv_connector="RecordingAioConnector",
-                                        kv_connector_module_path="recording_connector"))
+                                        kv_connector_module_path="harness.recording_connector"))
     assert selects_aio(_transfer_config(kv_connector="AioConnector", kv_connector_module_path="vllm_aio.connector"))
     assert not selects_aio(_transfer_config(
         kv_connector="ExampleConnector",

@@ -32,9 +32,11 @@ from pathlib import Path
 import pytest
 
 from vllm_aio.config import transfer_mode_of
-from conftest import Engine, aio_config, assert_output_varies, assert_same_generation, make_prompts
-from kv_event_subscriber import Subscriber, ours
-from mooncake_fixtures import missing_prerequisite
+from harness.assertions import assert_output_varies, assert_same_generation
+from harness.engines import Engine, aio_config
+from harness.prompts import make_prompts
+from harness.kv_event_subscriber import Subscriber, ours
+from harness.mooncake_fixtures import missing_prerequisite
 from vllm_aio.devtools.mooncake_pool import MooncakePool
 
 BLOCK = 16  # FlashAttention's block size, and the 16n+1 prompts of the FULL-graph case
@@ -235,9 +237,9 @@ def _speculative(name: str, mode: str | None, *specs: dict) -> Run:
 
 
 def _faulty(mode: str, *specs: dict) -> Run:
-    """The faulty connector (``tests/faulty_connector.py``): at every load the 3rd block of a request is
+    """The faulty connector (``tests/harness/faulty_connector.py``): at every load the 3rd block of a request is
     lost (evicted after its lookup) and the 5th torn (rewritten while copied); vLLM recomputes them."""
-    config = aio_config(module="faulty_connector", connector="FaultyAioConnector", local_pool_size="2GB",
+    config = aio_config(module="harness.faulty_connector", connector="FaultyAioConnector", local_pool_size="2GB",
                         **MODES[mode])
     return Run(f"faults-{mode}", COLD_ROUNDS + WARM_ROUNDS, config, _cached(RESET, *specs),
                env={"AIO_FAULT": "lost_and_torn"})

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from memcache_fake import FakeDistributedObjectStore, FakeMetaPort, FakeMetaService, write_local_conf
-from memory_backend import MemoryBackend
+from harness.memcache_fake import FakeDistributedObjectStore, FakeMetaPort, FakeMetaService, write_local_conf
+from harness.memory_backend import MemoryBackend
 from vllm_aio import backends
 from vllm_aio.backends import Backend, Memory, Status
 from vllm_aio.backends.local_settings import LocalSettings
@@ -34,7 +34,7 @@ from vllm_aio.backends.tiered import TieredBackend
 from vllm_aio.device.segment import Segment
 from vllm_aio.pool.keys import BlockParts
 
-pytest_plugins = ["mooncake_fixtures"]
+pytest_plugins = ["harness.mooncake_fixtures"]
 
 KINDS = ("local", "memory", "mooncake", "memcache", "tiered")
 UNTOUCHED = 0xEE  # what a destination holds before a get

@@ -42,7 +42,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from memcache_fake import (
+from harness.memcache_fake import (
     FakeDistributedObjectStore,
     FakeMetaPort,
     FakeMetaService,

@@ -41,7 +41,7 @@ from vllm_aio.devtools.mooncake_pool import CLIENT_TTL, MooncakePool, free_port
 from vllm_aio.errors import ConfigError
 from vllm_aio.pool.keys import BlockParts
 
-pytest_plugins = ["mooncake_fixtures"]
+pytest_plugins = ["harness.mooncake_fixtures"]
 
 SEGMENTS_PER_KEY = 4
 SEGMENT = 4096
@@ -366,7 +366,7 @@ def first_line(stream: Any, prefix: bytes) -> str | None:
 
 
 def test_cli_pool_writes_config_and_stops_on_sigterm(tmp_path: Any) -> None:
-    from mooncake_fixtures import require_mooncake
+    from harness.mooncake_fixtures import require_mooncake
 
     require_mooncake()
     out = tmp_path / "mooncake.json"
@@ -640,7 +640,7 @@ def test_rpc_failures_retried_within_budget(
 
 @pytest.mark.parametrize(("ci", "outcome"), [("true", pytest.fail.Exception), ("", pytest.skip.Exception)])
 def test_missing_prerequisite_fails_under_ci(monkeypatch: pytest.MonkeyPatch, ci: str, outcome: type) -> None:
-    import mooncake_fixtures
+    from harness import mooncake_fixtures
 
     monkeypatch.setattr(mooncake_fixtures, "missing_prerequisite", lambda: "mooncake_master not found")
     monkeypatch.setenv("CI", ci)

@@ -21,8 +21,8 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from memcache_fake import FakeDistributedObjectStore, FakeMetaPort, FakeMetaService, write_local_conf
-from memory_backend import MemoryBackend
+from harness.memcache_fake import FakeDistributedObjectStore, FakeMetaPort, FakeMetaService, write_local_conf
+from harness.memory_backend import MemoryBackend
 from vllm_aio.backends import Backend, Status, open_backend
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache import MemcacheBackend
@@ -33,7 +33,7 @@ from vllm_aio.errors import ConfigError
 from vllm_aio.device.segment import Segment
 from vllm_aio.pool.keys import BlockParts
 
-pytest_plugins = ["mooncake_fixtures"]
+pytest_plugins = ["harness.mooncake_fixtures"]
 
 VALUE = 256  # bytes of every value
 
@@ -404,7 +404,8 @@ def test_each_tier_reads_its_own_settings_keys_and_variables():
     ({"device_id": 0}, 'device_id: Memcache settings need remote_backend "memcache"'),
     ({"master_server_address": "nowhere"}, "master_server_address: expected 'host:port'"),
     ({"local_pool_name": "a/b"}, "local_pool_name: expected 1-64 characters"),
-], ids=["no-remote", "unknown-remote", "remote-as-list", "write-mode", "queue-size", "other-remote-key", "remote-key", "local-key"])
+], ids=["no-remote", "unknown-remote", "remote-as-list", "write-mode", "queue-size", "other-remote-key", "remote-key",
+        "local-key"])
 def test_bad_settings_fail_at_start_naming_the_key_and_what_is_accepted(extra: dict, message: str):
     config = {k: v for k, v in {**MOONCAKE, **extra}.items() if v is not None}
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from conftest import ROOT, require
+from harness.prerequisites import ROOT, require
 from vllm_aio.devtools.mooncake_pool import free_port
 from vllm_aio.devtools.transfer_peer import LOOPBACK, TransferPeer
 from vllm_aio.migration import transport

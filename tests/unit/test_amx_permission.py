@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from harness.prerequisites import ROOT
 from vllm_aio.device.amx_permission import (
     ARCH_GET_XCOMP_PERM,
     ARCH_GET_XCOMP_SUPP,

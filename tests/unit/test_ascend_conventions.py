@@ -43,7 +43,8 @@ def standard(g) -> tuple[torch.Tensor, ...]:
 
 def mla(g) -> tuple[torch.Tensor, ...]:
     """(nope, rope): the latent [.., 1, kv_lora_rank] and the rope key [.., 1, qk_rope_head_dim]."""
-    return _random((NUM_BLOCKS, BLOCK, 1, 512), torch.bfloat16, g), _random((NUM_BLOCKS, BLOCK, 1, 64), torch.bfloat16, g)
+    return (_random((NUM_BLOCKS, BLOCK, 1, 512), torch.bfloat16, g),
+            _random((NUM_BLOCKS, BLOCK, 1, 64), torch.bfloat16, g))
 
 
 def sparse(g) -> tuple[torch.Tensor, ...]:

@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 import torch
-from devices import CUDA, marks
+from harness.devices import CUDA, marks
 
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
@@ -100,7 +100,8 @@ def test_saved_blocks_load_into_other_block_ids_byte_for_byte(device_and_shape):
     before = {n: t.clone() for n, t in dst.items()}
     assert loaded(loader, refs([0, 5, 11]), EVERY_LAYER) == [Status.OK] * 3
     for n in LAYERS:
-        blocks = (lambda t, ids: t[ids] if len(shape) == 4 else t[:, ids])
+        def blocks(t, ids):
+            return t[ids] if len(shape) == 4 else t[:, ids]
         assert torch.equal(blocks(dst[n], [0, 5, 11]), blocks(src[n], [3, 7, 1]))
         untouched = [b for b in range(NUM_BLOCKS) if b not in (0, 5, 11)]
         assert torch.equal(blocks(dst[n], untouched), blocks(before[n], untouched))
@@ -192,7 +193,8 @@ def test_batch_larger_than_the_staging_buffer_moves_chunk_by_chunk(device_and_sh
     assert saver.save(refs(range(8)), EVERY_LAYER, saver.device.record(), CopyHandoff()) == [Status.OK] * 8
     loader, dst, _ = make_io(device, shape, backend, seed=2, staging=3 * value)
     assert loaded(loader, refs(range(4, 12)), EVERY_LAYER) == [Status.OK] * 8
-    blocks = (lambda t, ids: t[ids] if len(shape) == 4 else t[:, ids])
+    def blocks(t, ids):
+        return t[ids] if len(shape) == 4 else t[:, ids]
     for n in LAYERS:
         assert torch.equal(blocks(dst[n], list(range(4, 12))), blocks(src[n], list(range(8))))
 
@@ -213,7 +215,8 @@ def test_every_thread_that_moves_blocks_binds_itself_to_the_caches_device_first(
     layout, device = BlockLayout(caches, LAYERS, NUM_BLOCKS), BindingDevice()
     labels = ValueLabels(EntryHeader("0123456789abcdef", "pp0.dcp0.h0", -1, 16, 0), layout)
     backend = LocalBackend(f"io-{uuid.uuid4().hex[:8]}", 1 << 22, labels.value_bytes(EVERY_LAYER), seal=True)
-    io = InPlacePath(labels, device, layout, backend, StagingBuffer(device, 1 << 20), StagingBuffer(device, 1 << 20), 5.0)
+    io = InPlacePath(labels, device, layout, backend, StagingBuffer(device, 1 << 20), StagingBuffer(device, 1 << 20),
+                     5.0)
     recv, send = TransferThread("vllm_aio-recv"), TransferThread("vllm_aio-send")
     assert send.submit(io.save, refs([1]), EVERY_LAYER, None, CopyHandoff()).result() == [Status.OK]
     assert recv.submit(lambda: io.load(refs([2]), EVERY_LAYER).settle()).result() == [Status.OK]
@@ -289,7 +292,8 @@ def test_batches_split_into_chunks_keep_every_block_and_every_status(device_and_
     wanted = refs([0, 5, 9, 11])
     wanted[2] = BlockRef(9, b"never stored")  # a hole in the middle of the batch
     assert loaded(loader, wanted, EVERY_LAYER) == [Status.OK, Status.OK, Status.MISSING, Status.OK]
-    blocks = (lambda t, ids: t[ids] if len(shape) == 4 else t[:, ids])
+    def blocks(t, ids):
+        return t[ids] if len(shape) == 4 else t[:, ids]
     for n in LAYERS:
         assert torch.equal(blocks(dst[n], [0, 5, 11]), blocks(src[n], [3, 7, 2]))
 
@@ -326,7 +330,8 @@ def test_blocks_sharing_a_key_in_one_load_all_receive_its_value(device_and_shape
     # Two requests with the same two-block prefix, loaded in one step into blocks of their own.
     wanted = shared_prefix_refs([0, 5, 9, 11], [b"b0", b"b1", b"b0", b"b1"])
     assert loaded(loader, wanted, unit) == [Status.OK] * 4
-    blocks = (lambda t, ids: t[ids] if len(shape) == 4 else t[:, ids])
+    def blocks(t, ids):
+        return t[ids] if len(shape) == 4 else t[:, ids]
     for i in unit.layers:
         n = LAYERS[i]
         assert torch.equal(blocks(dst[n], [0, 5, 9, 11]), blocks(src[n], [3, 7, 3, 7]))

@@ -110,7 +110,8 @@ def test_layer_with_no_block_dimension_raises_naming_the_layer():
 def test_a_cache_in_a_private_npu_format_is_refused_naming_the_format_and_what_is_supported(monkeypatch):
     # vllm-ascend's 310P caches (FRACTAL_NZ): shape and strides read as ND, the bytes lie otherwise.
     monkeypatch.setattr(block_layout, "npu_private_format", lambda t: "FRACTAL_NZ (29)")
-    with pytest.raises(ValueError, match=r"layer l0: .*FRACTAL_NZ \(29\) format.*strided formats only \(NCHW, NHWC, ND"):
+    with pytest.raises(ValueError,
+                       match=r"layer l0: .*FRACTAL_NZ \(29\) format.*strided formats only \(NCHW, NHWC, ND"):
         BlockLayout({"l0": (block_major(), block_major())}, ["l0"], NUM_BLOCKS)
 
 

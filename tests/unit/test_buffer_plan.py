@@ -9,7 +9,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
-from conftest import require
+from harness.prerequisites import require
 from vllm_aio.errors import ConfigError
 
 
@@ -78,7 +78,8 @@ def test_private_blocks_stay_out_of_the_schedulers_pool(kv):
 def test_private_blocks_that_leave_too_few_for_vllm_are_refused(kv):
     from vllm_aio.buffer.plan import reserve_private
 
-    with pytest.raises(ConfigError, match="dynamic_buffer_resident_blocks: 20 private blocks per buffer leave 20 of 40"):
+    with pytest.raises(ConfigError,
+                       match="dynamic_buffer_resident_blocks: 20 private blocks per buffer leave 20 of 40"):
         reserve_private(_config(kv, layers=4, num_blocks=40), 20)
 
 

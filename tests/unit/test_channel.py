@@ -221,7 +221,8 @@ def test_a_runtime_dir_too_deep_for_a_socket_is_passed_over_for_tmp(monkeypatch:
 
 
 def test_a_plain_engine_id_names_the_socket_file():
-    assert socket_path("1fbd03d5-1cf1-41f0-85ff-3bca9754d127").name == "control-1fbd03d5-1cf1-41f0-85ff-3bca9754d127.sock"
+    engine_id = "1fbd03d5-1cf1-41f0-85ff-3bca9754d127"
+    assert socket_path(engine_id).name == "control-1fbd03d5-1cf1-41f0-85ff-3bca9754d127.sock"
 
 
 @pytest.mark.parametrize("engine_id", ["x" * 300, "../escape", "a b"])

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from harness.prerequisites import ROOT
 from vllm_aio.backends import SETTINGS
 from vllm_aio.backends.local_settings import LocalSettings
 from vllm_aio.backends.memcache_settings import MemcacheSettings
@@ -283,7 +283,8 @@ def test_dynamic_buffer_count_below_two_is_refused(count):
         parse({"transfer_mode": "dynamic_buffer", "dynamic_buffer_count": count})
 
 
-@pytest.mark.parametrize("extra", [{"dynamic_buffer_count": 2}, {"transfer_mode": "layerwise", "dynamic_buffer_count": 3}])
+@pytest.mark.parametrize("extra", [{"dynamic_buffer_count": 2},
+                                   {"transfer_mode": "layerwise", "dynamic_buffer_count": 3}])
 def test_dynamic_buffer_count_with_another_mode_fails_naming_both_keys(extra):
     with pytest.raises(ConfigError, match=r"^dynamic_buffer_count, transfer_mode: .* but transfer_mode is "):
         parse(extra)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT
+from harness.prerequisites import ROOT
 from vllm_aio.backends import SETTINGS
 from vllm_aio.backends.tiered_settings import REMOTES, WRITE_MODES
 from vllm_aio.config import BACKENDS, MIGRATION_PROTOCOLS, REPLACED_MODE_KEYS, TRANSFER_MODES, AioConfig
@@ -98,7 +98,8 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b  # false is not 0, 30 is not "30"
 
 
-GENERAL = {f.name: _code_default(AioConfig, f.name) for f in dataclasses.fields(AioConfig) if f.name != "backend_settings"}
+GENERAL = {f.name: _code_default(AioConfig, f.name)
+           for f in dataclasses.fields(AioConfig) if f.name != "backend_settings"}
 # A key of several settings classes (the tiered store takes its tiers' keys) is the first one's, as in config.py.
 _OWNER: dict[str, type] = {}
 for _settings in SETTINGS.values():

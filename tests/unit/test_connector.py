@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from conftest import require
+from harness.prerequisites import require
 
 
 def test_sleep_mode_is_refused_with_the_reason_logged(caplog):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import ROOT
+from harness.prerequisites import ROOT
 
 
 def test_importing_the_connector_module_loads_no_numba():

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import require
+from harness.prerequisites import require
 from vllm_aio.pool.entry import HEADER_BYTES
 
 BLOCK = 16  # the attention backend's block size
@@ -174,7 +174,8 @@ def test_a_hybrid_model_loads_in_the_background() -> None:
     ("option", "reason"),
     [
         ({"transfer_mode": "layerwise"}, "transfer_mode layerwise is not supported with a hybrid model"),
-        ({"transfer_mode": "dynamic_buffer"}, "transfer_mode dynamic_buffer is not supported with a hybrid model.*one group"),
+        ({"transfer_mode": "dynamic_buffer"},
+         "transfer_mode dynamic_buffer is not supported with a hybrid model.*one group"),
         ({"migration": True}, "migration is not supported with a hybrid model"),
         ({"kv_events_config": SimpleNamespace(enable_kv_cache_events=True)}, "kv_events_config is not supported"),
     ],

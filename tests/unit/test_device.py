@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from devices import CUDA as CUDA_DEVICES
-from devices import params
+from harness.devices import CUDA as CUDA_DEVICES
+from harness.devices import params, registered
 from vllm_aio.device import accelerator as device_module
 from vllm_aio.buffer.swaps import RowSwaps
 from vllm_aio.device.accelerator import LINK_COPY_MIN_ROWS, Device
@@ -142,20 +142,6 @@ def _host_allocator_bytes() -> int | None:
         return None
 
 
-def registered(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory is registered with the driver (torch's is_pinned knows only its own allocator).
-
-    Asked through the driver API: a failing runtime call (a cudaHostRegister
-    probe of registered memory) would leave an error that the next kernel
-    launch raises.
-    """
-    if not torch.cuda.is_available():
-        return False
-    torch.cuda.init()  # the primary context, current on this thread
-    flags = ctypes.c_uint()
-    return ctypes.CDLL("libcuda.so.1").cuMemHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(t.data_ptr())) == 0
-
-
 @pytest.mark.parametrize("name", params("cpu", *CUDA_DEVICES))
 @pytest.mark.parametrize(("dst_indexed", "src_indexed"), [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("rows", [32, LINK_COPY_MIN_ROWS])  # the link kernel on CUDA, and torch's for a few rows
@@ -169,7 +155,8 @@ def test_copy_rows_moves_indexed_rows_between_mapped_host_memory_and_the_device(
         on_device = torch.full((32, 1048), -1, dtype=torch.int64, device=device.torch_device)
         dst = on_device[:, 8:]  # strided rows, as the slots' payloads behind their headers
         src_ids, dst_ids = torch.randperm(64)[:rows], torch.randperm(32)[:rows]
-        device.copy_rows(dst, dst_ids.to(name) if dst_indexed else None, host, src_ids.to(name) if src_indexed else None)
+        device.copy_rows(dst, dst_ids.to(name) if dst_indexed else None, host,
+                         src_ids.to(name) if src_indexed else None)
         device.synchronize(device.record())
         got = dst.cpu()[dst_ids if dst_indexed else torch.arange(rows)]
         want = host.cpu()[src_ids if src_indexed else torch.arange(rows)]

@@ -13,7 +13,7 @@ import ast
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from conftest import ROOT
+from harness.prerequisites import ROOT
 
 PACKAGE = ROOT / "vllm_aio"
 

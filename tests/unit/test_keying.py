@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from test_scheduler import deployment
+from harness.scheduler_fakes import deployment
 
 from vllm_aio.config import TransferMode
 from vllm_aio.pool.ownership import Ownership

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
-from test_scheduler import BS, DictBackend, Req, blocks, deployment, shards, step, store
-from test_worker import VALUE_BYTES, forward, kv_caches, saved, transfer
-from test_worker import deployment as worker_deployment
+
+from harness.scheduler_fakes import BS, DictBackend, Req, blocks, decoded_for_a_while, deployment, shards, step, store
+from harness.worker_fakes import VALUE_BYTES, forward, kv_caches, saved, transfer
+from harness.worker_fakes import deployment as worker_deployment
 
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
@@ -32,7 +33,7 @@ from vllm_aio.pool.host_pool import SharedHostPool
 from vllm_aio.pool.keys import BlockParts
 from vllm_aio.pool.ownership import Ownership
 
-pytest_plugins = ["mooncake_fixtures"]
+pytest_plugins = ["harness.mooncake_fixtures"]
 
 TIMEOUT = 30.0
 
@@ -173,13 +174,12 @@ def test_scheduler_expects_the_saves_it_plans_and_reports_lookup_misses():
 
 
 def test_blocks_of_a_preempted_request_copied_out_are_announced_too(monkeypatch):
-    from test_scheduler import _decoded_for_a_while
 
     monkeypatch.setattr(Req, "all_token_ids", property(lambda r: list(range(r.num_tokens))), raising=False)
     monkeypatch.setattr(Req, "lora_request", None, raising=False)
     events = KVEvents(BS, None, TIMEOUT)
     sched = AioScheduler(deployment(), DictBackend(), events)
-    req = _decoded_for_a_while(sched)
+    req = decoded_for_a_while(sched)
     events.take(sched.parts)  # the prompt's blocks: never reported here
     meta = sched.build_connector_meta(step(preempted=["a"]))
     events.saved([report(shards(deployment())[0], req.block_hashes[2:4])], sched.parts)

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from devices import CUDA, params
-from test_device import registered
+
+from harness.devices import CUDA, params, registered
 
 from vllm_aio.device import host_copy
 from vllm_aio.buffer.residency import private_blocks
@@ -54,7 +54,8 @@ class Model:
             self.truth = {n: torch.zeros(*shape, dtype=torch.bfloat16, device=device) for n in self.names}
         else:
             def cache():
-                return tuple(torch.zeros(NUM_BLOCKS, *p, dtype=torch.bfloat16, device=device) for p in TUPLE_FORMS[form])
+                return tuple(torch.zeros(NUM_BLOCKS, *p, dtype=torch.bfloat16, device=device)
+                             for p in TUPLE_FORMS[form])
 
             shared = [cache() for _ in range(buffers)]
             self.views = {n: shared[i % buffers] for i, n in enumerate(self.names)}
@@ -321,7 +322,8 @@ class ResidentModel:
         wrong = []
         for i, name in enumerate(self.names):
             new = torch.randn(len(written), *PAGE, generator=self.generator).to(torch.bfloat16)
-            _write(self.views[name], slots // PAGE[1], new.to(self.device))  # the cache update, through the slot mapping
+            # the cache update, through the slot mapping
+            _write(self.views[name], slots // PAGE[1], new.to(self.device))
             self.truth[name][written] = new
             if not torch.equal(_read(self.views[name], table[0].long()).cpu(), self.truth[name][ids]):  # attention
                 wrong.append(name)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import ROOT
+from harness.prerequisites import ROOT
 
 SCHEDULER_HALF = (
     "vllm_aio.config",

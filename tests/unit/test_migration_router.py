@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from conftest import require
+from harness.prerequisites import require
 
 require("aiohttp")
 from aiohttp import ClientSession, web  # noqa: E402

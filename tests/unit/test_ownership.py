@@ -241,7 +241,8 @@ def test_read_order_is_a_rotation_that_differs_between_replicas() -> None:
 
 def test_example_tp8_two_kv_heads_dcp2_names_and_replicas() -> None:
     ranks = _ranks((8, 2, False, 1, 2, 1))
-    assert [o.shard_id for o in ranks[:5]] == ["pp0.dcp0.h0", "pp0.dcp1.h0", "pp0.dcp0.h0", "pp0.dcp1.h0", "pp0.dcp0.h1"]
+    assert [o.shard_id for o in ranks[:5]] == ["pp0.dcp0.h0", "pp0.dcp1.h0", "pp0.dcp0.h0", "pp0.dcp1.h0",
+                                               "pp0.dcp0.h1"]
     assert [(o.replicas, o.replica_index) for o in ranks[:4]] == [(2, 0), (2, 0), (2, 1), (2, 1)]
     assert ranks[0].read_order(range(6)) == [0, 1, 2, 3, 4, 5]
     assert ranks[2].read_order(range(6)) == [3, 4, 5, 0, 1, 2]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
-from test_scheduler import BS, DictBackend, Req, deployment, shards
+from harness.scheduler_fakes import BS, DictBackend, Req, deployment, shards
 
 from vllm_aio.config import TransferMode
 from vllm_aio.connector.scheduler import AioScheduler

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from devices import CUDA, params
+from harness.devices import CUDA, params
 
 from vllm_aio.device.accelerator import Device
 from vllm_aio.device.staging import StagingBuffer

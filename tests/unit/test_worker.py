@@ -12,26 +12,19 @@ from array import array
 import pytest
 import torch
 
+from harness.worker_fakes import (LAYERS, NUM_BLOCKS, PAGE_BYTES, VALUE_BYTES, deployment, forward,
+                                  kv_caches, saved, transfer)
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
-from vllm_aio.config import AioConfig, TransferMode
+from vllm_aio.config import AioConfig
 from vllm_aio.connector.worker import AioWorker
 from vllm_aio.pool.entry import HEADER_BYTES
-from vllm_aio.pool.keys import Namespace, block_key
+from vllm_aio.pool.keys import block_key
 from vllm_aio.pool.ownership import Ownership
-from vllm_aio.shared.deployment import Deployment
 from vllm_aio.shared.metadata import AioConnectorMetadata, BlockTransfer, LookupCounts
 
-LAYERS, NUM_BLOCKS, PAGE = ("l0", "l1"), 16, (2, 4, 8)  # [blocks, heads, tokens, channels]
-PAGE_BYTES = 2 * 4 * 8 * 2
-VALUE_BYTES = HEADER_BYTES + PAGE_BYTES * len(LAYERS)
 # A guard against a hang only: every wait is answered within milliseconds when the code is right.
 HANG_GUARD = 30.0
-
-
-def kv_caches(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn((NUM_BLOCKS, *PAGE), generator=g).to(torch.bfloat16) for n in LAYERS}
 
 
 @pytest.fixture
@@ -50,27 +43,6 @@ def make_worker():
     yield make
     for w in made:
         w.close()
-
-
-def deployment(cfg: AioConfig, tp_size: int = 1, heads: int = 4, salt: str = "") -> Deployment:
-    ns = Namespace("m", "bf16", "auto", 8, "LBHNC", "amx", tp_size, 1, 1, 1, 0, salt)
-    layers = 1 if cfg.transfer_mode is TransferMode.LAYERWISE else len(LAYERS)
-    return Deployment(
-        namespace=ns, block_size=8, layer_names=LAYERS, transfer_mode=cfg.transfer_mode,
-        value_bytes=HEADER_BYTES + PAGE_BYTES * layers, load_enabled=True, save_enabled=True,
-        save_decode_cache=False, pool_name="p", num_kv_heads=heads, use_mla=False,
-    )
-
-
-def saved(worker: AioWorker, meta: AioConnectorMetadata) -> None:
-    """A step's saves, through to the pool (puts finish in the background)."""
-    worker.wait_for_save(meta)
-    worker.drain()
-
-
-def transfer(block_ids, tag="x", first_index=0):
-    hashes = [f"{tag}{first_index + i:04d}".encode() for i in range(len(block_ids))]  # one size, as vLLM's
-    return BlockTransfer.of("r", block_ids, hashes, first_index)
 
 
 def test_saved_blocks_load_back_into_other_block_ids_byte_for_byte(make_worker):
@@ -309,17 +281,6 @@ def test_replicas_split_the_stores_and_each_loads_every_block(make_worker):
         worker.start_load_kv(AioConnectorMetadata(loads=[transfer([10, 11, 12, 13, 14])]))
         assert worker.get_block_ids_with_load_errors() == set()
         assert all(torch.equal(dst[n][10:15], caches[n][1:6]) for n in LAYERS)
-
-
-def forward(worker: AioWorker, meta: AioConnectorMetadata, compute=lambda layer: None) -> set[int]:
-    """One step as vLLM drives a layerwise connector; returns the load errors."""
-    worker.start_load_kv(meta)
-    for layer, name in enumerate(LAYERS):
-        worker.wait_for_layer_load(name)
-        compute(layer)
-        worker.save_kv_layer(name, meta)
-    worker.wait_for_save(meta)
-    return worker.get_block_ids_with_load_errors()
 
 
 def test_layerwise_values_round_trip_one_layer_at_a_time(make_worker):

@@ -34,7 +34,6 @@ from vllm_aio.shared.deployment import build_deployment
 from vllm_aio.shared.metadata import AioConnectorMetadata, WorkerFacts
 
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext

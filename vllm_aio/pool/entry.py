@@ -4,7 +4,7 @@ A key already names the namespace, shard and block, but a key is only a
 promise: a pool shared between deployments, a slot reused under another key,
 a writer with a different layout or a rank loading another rank's shard would
 all hand back bytes of the right length and the wrong meaning, and attention
-would read them silently (the SGLang incident in ../shared/seeds: reloaded
+would read them silently (the SGLang incident: reloaded
 pages landed on the wrong owner). So every value starts with a fixed header
 naming what the writer stored, and a reader accepts a value only when the
 header equals the one it would have written itself for that key; otherwise the

@@ -9,6 +9,8 @@ NPU devices from the name inside their bodies.
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -23,3 +25,17 @@ def marks(device: str) -> list[pytest.MarkDecorator]:
 def params(*devices: str) -> list:
     """``devices`` as parameters, each with its marks."""
     return [pytest.param(d, marks=marks(d), id=d) for d in devices]
+
+
+def registered(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory is registered with the driver (torch's is_pinned knows only its own allocator).
+
+    Asked through the driver API: a failing runtime call (a cudaHostRegister
+    probe of registered memory) would leave an error that the next kernel
+    launch raises.
+    """
+    if not torch.cuda.is_available():
+        return False
+    torch.cuda.init()  # the primary context, current on this thread
+    flags = ctypes.c_uint()
+    return ctypes.CDLL("libcuda.so.1").cuMemHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(t.data_ptr())) == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from conftest import require
+from harness.prerequisites import require
 
 
 class Subscriber:

@@ -1,6 +1,6 @@
 """Pytest fixtures that run real Mooncake pools on loopback.
 
-Use from a test module with ``pytest_plugins = ["mooncake_fixtures"]`` (pytest
+Use from a test module with ``pytest_plugins = ["harness.mooncake_fixtures"]`` (``pytest.ini``
 puts ``tests/`` on ``sys.path``). The backend is only worth testing against a
 real master: the return codes, the "put of an existing key" behaviour and the
 failure timings all come from the C++ client, not from its documentation.

@@ -80,7 +80,8 @@ def run(spec: dict) -> dict:
             outputs = llm.generate(prompts, params, priority=order.get("priorities"))
         _write(directory / f"round-{index}.out.json",
                {"results": [o and _result(o, dtype) for o in outputs], "aio": _aio_counters(llm),
-                "preemptions": _counter(llm, "vllm:num_preemptions"), "recomputed_after_preemption": resumed.recomputed})
+                "preemptions": _counter(llm, "vllm:num_preemptions"),
+                "recomputed_after_preemption": resumed.recomputed})
     return {"workers": llm.collective_rpc(_worker_facts)}
 
 

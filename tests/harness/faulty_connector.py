@@ -1,6 +1,6 @@
 """AioConnector with faults injected at the backend boundary, for end-to-end tests.
 
-Loaded by real vLLM through ``kv_connector_module_path: faulty_connector``;
+Loaded by real vLLM through ``kv_connector_module_path: harness.faulty_connector``;
 ``AIO_FAULT`` picks the fault, or ``AIO_FAULT_FILE`` names a file whose
 contents (a fault, or ``none``) are read at every call, so that a test
 switches the fault between rounds of one engine. Everything else (vLLM, the

@@ -77,7 +77,7 @@ def _fork_engine(order: dict) -> int:
         os.environ.clear()
         os.environ.update(order["env"])
         os.chdir(order["cwd"])
-        import engine_runner
+        from harness import engine_runner
 
         engine_runner.main(*order["argv"])
         code = 0

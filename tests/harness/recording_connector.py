@@ -1,6 +1,6 @@
 """AioConnector whose backends record every key their process stores, for end-to-end tests.
 
-Loaded by real vLLM through ``kv_connector_module_path: recording_connector``.
+Loaded by real vLLM through ``kv_connector_module_path: harness.recording_connector``.
 Each process appends the keys it puts, one a line, to ``$AIO_RECORD_DIR/<pid>``,
 so a test can tell which worker (rank) stored what: through ``batch_put``, or
 through the embedded pool's slots (``reserve_blocks``) on the direct path. Everything else (vLLM, the
