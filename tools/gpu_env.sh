@@ -4,7 +4,7 @@
 #   tools/gpu_env.sh [VENV]          # default .venv-gpu (git-ignored); or: make gpu-env
 #   make test-gpu-engine PYTHON=.venv-gpu/bin/python
 #
-# The host needs: a CUDA-capable NVIDIA GPU with at least 40 GiB of memory (the tier runs five engines at a
+# The host needs: a CUDA-capable NVIDIA GPU with at least 40 GiB of memory (the tier runs eight engines at a
 # time on it), an NVIDIA driver for CUDA 12.x or later (the CUDA of the torch wheel vLLM pins; the script
 # prints it at the end), Python 3.10-3.12, and network access to PyPI. Nothing outside the venv is changed.
 #
