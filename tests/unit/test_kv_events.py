@@ -25,8 +25,8 @@ from vllm_aio.backends.local import LocalBackend
 from vllm_aio.config import AioConfig
 from vllm_aio.connector.events import KVEvents, Removed, SavedParts, SettledSaves, Stored
 from vllm_aio.shared.metadata import AioConnectorMetadata
-from vllm_aio.connector.scheduler import AioScheduler
-from vllm_aio.connector.worker import AioWorker
+from vllm_aio.connector.scheduler.scheduler import AioScheduler
+from vllm_aio.connector.worker.worker import AioWorker
 from vllm_aio.backends.local import PoolSlots
 from vllm_aio.pool.host_pool import SharedHostPool
 from vllm_aio.pool.keys import BlockParts

@@ -14,8 +14,8 @@ from vllm_aio.config import TransferMode
 from vllm_aio.backends import Backend, Status
 from vllm_aio.errors import ConfigError
 from vllm_aio.shared.deployment import Deployment
-from vllm_aio.connector.leases import LEASE_MIN_SECONDS
-from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.connector.scheduler.leases import LEASE_MIN_SECONDS
+from vllm_aio.connector.scheduler.scheduler import AioScheduler
 from vllm_aio.migration.flushes import FlushRequests
 from vllm_aio.pool.keys import Namespace, block_key
 from vllm_aio.pool.ownership import Ownership

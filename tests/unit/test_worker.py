@@ -15,7 +15,7 @@ import torch
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.config import AioConfig, TransferMode
-from vllm_aio.connector.worker import AioWorker
+from vllm_aio.connector.worker.worker import AioWorker
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Namespace, block_key
 from vllm_aio.pool.ownership import Ownership

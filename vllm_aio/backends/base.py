@@ -13,10 +13,10 @@ CPU addresses, pageable, page-locked or shared) unless it lies in a region
 the caller registered as ``Memory.DEVICE`` with a backend whose
 ``segment_memory`` includes it. The connector hands host memory only: the KV
 cache itself on the CPU, page-locked staging buffers on accelerators
-(``connector/block_io/``).
+(``connector/worker/block_io/``).
 
 Every call is batched and returns one typed ``Status`` per key. The keys of one
-put or get batch are distinct (``connector/block_io/`` reads a key shared by
+put or get batch are distinct (``connector/worker/block_io/`` reads a key shared by
 several blocks once): a store may mishandle a repeat (Mooncake answers success
 for both and fills one destination), so a backend answers a repeat ``ERROR``
 without running it (``distinct_only``). Every value of a pool has one size

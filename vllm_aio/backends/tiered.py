@@ -40,7 +40,7 @@ Memcache answer ERROR at once while their service is gone and reconnect by
 themselves once it answers again (``remote.MasterLink``); here any remote
 failure, an exception included, is a miss at lookup and load and a drop at save.
 
-No ``slots()``: the direct path (``connector/block_io/direct.py``) copies
+No ``slots()``: the direct path (``connector/worker/block_io/direct.py``) copies
 between the cache and one pool's slots and never calls ``batch_get``, so a
 block only the remote tier holds could never load. Values take the staged
 path (on the CPU the local tier still copies straight into the KV cache);

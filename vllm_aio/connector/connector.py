@@ -23,7 +23,7 @@ from vllm_aio import backends, vllm_compat
 from vllm_aio.backends import Backend
 from vllm_aio.config import TransferMode, parse_extra_config, transfer_mode_of
 from vllm_aio.connector.events import KVEvents
-from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.connector.scheduler.scheduler import AioScheduler
 from vllm_aio.connector.stats import AioConnectorStats, AioPromMetrics
 from vllm_aio.connector.vllm_events import SavedPartsEvents, to_vllm
 from vllm_aio.device.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from vllm_aio.config import AioConfig
-    from vllm_aio.connector.worker import AioWorker
+    from vllm_aio.connector.worker.worker import AioWorker
     from vllm_aio.device.block_layout import LayerCache
     from vllm_aio.pool.ownership import Topology
     from vllm_aio.shared.deployment import Deployment
@@ -102,7 +102,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
             # scans every loaded module for Triton kernels, failing on llvmlite's function wrappers. In one
             # process (TP=1 with the engine core in-process) it starts before the connector: a module level
             # import made from vLLM's config check would have loaded them first.
-            from vllm_aio.connector.worker import AioWorker
+            from vllm_aio.connector.worker.worker import AioWorker
 
             self._amx = _amx_for_cpu_attention()
             self._worker = AioWorker(dep, backend, Ownership(_topology(dep)), cfg, kv_events=kv_events)

@@ -143,7 +143,7 @@ class SharedHostPool:
         # Lowest class first, then values leased to a load that has not read them
         # yet (``lease_ids``) last, then LRU (``index_ops.eviction_order``). In slot
         # order: a batch's values then lie back to back where they can, so a direct
-        # load finds them in runs it moves by DMA (``connector/block_io/mapped_slots.py``).
+        # load finds them in runs it moves by DMA (``connector/worker/block_io/mapped_slots.py``).
         ready, order = index_ops.eviction_order(self._state, self._retention, self._lease_until, self._last_used,
                                                 self._clock())
         if not len(ready):

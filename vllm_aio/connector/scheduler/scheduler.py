@@ -26,10 +26,10 @@ from vllm_aio.backends import Backend
 from vllm_aio.errors import ConfigError
 from vllm_aio.buffer.planner import buffer_planner
 from vllm_aio.connector.events import KVEvents
-from vllm_aio.connector.leases import Leases
-from vllm_aio.connector.load_plan import LoadPlanner
-from vllm_aio.connector.lookups import PoolLookups
-from vllm_aio.connector.save_plan import SavePlanner
+from vllm_aio.connector.scheduler.leases import Leases
+from vllm_aio.connector.scheduler.load_plan import LoadPlanner
+from vllm_aio.connector.scheduler.lookups import PoolLookups
+from vllm_aio.connector.scheduler.save_plan import SavePlanner
 from vllm_aio.pool.keys import BlockParts
 from vllm_aio.shared.deployment import Deployment
 from vllm_aio.shared.keying import PoolKeying

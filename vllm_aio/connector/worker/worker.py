@@ -28,12 +28,12 @@ from typing import Any
 from vllm_aio.backends import Backend
 from vllm_aio.buffer.participant import BufferHooks, NoBuffer, open_buffer
 from vllm_aio.config import AioConfig, TransferMode
-from vllm_aio.connector.block_io import BlockIO, open_block_io
+from vllm_aio.connector.worker.block_io import BlockIO, open_block_io
 from vllm_aio.connector.events import SavedParts, SettledSaves
-from vllm_aio.connector.loads import BeforeBuffer, BeforeForward, InBackground, Layerwise, LoadReport, Loads
-from vllm_aio.connector.saves import LayerwiseSaves, Saves, WholeBlockSaves
+from vllm_aio.connector.worker.loads import BeforeBuffer, BeforeForward, InBackground, Layerwise, LoadReport, Loads
+from vllm_aio.connector.worker.saves import LayerwiseSaves, Saves, WholeBlockSaves
 from vllm_aio.connector.stats import AioConnectorStats
-from vllm_aio.connector.transfer import TransferThread
+from vllm_aio.connector.worker.transfer import TransferThread
 from vllm_aio.device.block_layout import LayerCache, check_groups_alias
 from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import EntryHeader
