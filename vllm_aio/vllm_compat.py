@@ -163,6 +163,34 @@ def device_type() -> str:
     return str(current_platform.device_type)
 
 
+def on_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def parallel_ranks() -> dict[str, int]:
+    """This worker's rank in each of vLLM's parallel groups (tensor, pipeline, prefill and decode context)."""
+    from vllm.distributed import parallel_state as ps
+
+    return {
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp_rank": ps.get_pp_group().rank_in_group,
+        "pcp_rank": ps.get_pcp_group().rank_in_group,
+        "dcp_rank": ps.get_dcp_group().rank_in_group,
+    }
+
+
+def attention_isas(vllm_config: Any, layer_names: Iterable[str]) -> list[str]:
+    """The kernels vLLM's CPU attention chose for ``layer_names`` (its metadata builders set ``isa`` on
+    each layer before the KV cache is registered), sorted; ``["none"]`` where no layer says."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention, list(layer_names))
+    return sorted({str(getattr(layer, "isa", "unknown")) for layer in layers.values()}) or ["none"]
+
+
 def kv_cache_block_copies(scheduler_output: Any) -> list[Any]:
     """Blocks vLLM copies within the cache this step (0.23 has no such copies)."""
     return list(getattr(scheduler_output, "kv_cache_block_copies", None) or [])
