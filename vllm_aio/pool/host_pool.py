@@ -47,10 +47,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from vllm_aio.pool import index_ops
+from vllm_aio.pool.eviction import Eviction
 from vllm_aio.pool.ids import BlockGroups, ValueIds, namespace_groups, value_ids
 from vllm_aio.pool.index_ops import FREE, READY, WRITING
-from vllm_aio.pool.layout import (H_CLOCK, H_EVICTIONS, H_HITS, H_LOOKUPS, H_NEXT_UNUSED, H_NUM_READY, PoolUsage,
-                                  usage_of)
+from vllm_aio.pool.layout import H_CLOCK, H_HITS, H_LOOKUPS, H_NEXT_UNUSED, H_NUM_READY, PoolUsage, usage_of
 from vllm_aio.pool.shm_file import PoolFile
 
 # ``reserve_ids``, per value: instead of a slot, "stored already" or "no room".
@@ -75,14 +75,14 @@ class SharedHostPool:
         self._clock = clock
         self.layout = self._file.layout
         self._map_arrays(self._file)
+        self._eviction = Eviction(self._file, clock)
         self._data_addr = self._data.ctypes.data
         self._closed = False
 
     def _map_arrays(self, file: PoolFile | None) -> None:
         """The metadata arrays and the slots as numpy views of the mapping (None: drop them)."""
         for region in ("header", "table", "key_hi", "key_lo", "version", "last_used", "retention", "lease_until",
-                       "state", "slot_group_hi", "slot_group_lo", "group_hi", "group_lo", "group_parts",
-                       "evicted_hi", "evicted_lo", "data"):
+                       "state", "slot_group_hi", "slot_group_lo", "group_hi", "group_lo", "group_parts", "data"):
             setattr(self, f"_{region}", None if file is None else file.view(region))
         # The groups of arrays ``index_ops`` works on.
         self._index = (self._table, self._key_hi, self._key_lo)
@@ -106,9 +106,7 @@ class SharedHostPool:
         self.reserve_ids(none, no_blocks)
         self.commit([])
         self.block_parts(no_blocks)
-        with self._file.locked():
-            index_ops.eviction_order(self._state, self._retention, self._lease_until, self._last_used, self._clock())
-            self._drop_ready(np.zeros(0, dtype=np.int64))
+        self._eviction.warm_up()
 
     def seal(self) -> None:
         """Unlink the pool's name now (``PoolFile.seal``); attached processes keep their mappings."""
@@ -121,6 +119,7 @@ class SharedHostPool:
         self._closed = True
         self._file.detach()
         self._map_arrays(None)  # numpy views of the mapping would keep it open
+        self._eviction.close()
         self._file.unmap()
 
     # ---- allocation ------------------------------------------------------
@@ -134,35 +133,10 @@ class SharedHostPool:
         if len(slots) < count:
             slots = np.concatenate((slots, np.flatnonzero(state[:start] == FREE)[: count - len(slots)]))
         if len(slots) < count:
-            slots = np.concatenate((slots, self._evict(count - len(slots))))
+            slots = np.concatenate((slots, self._eviction.victims(count - len(slots))))
         state[slots] = WRITING
         self._version[slots] += 1
         return slots
-
-    def _evict(self, count: int) -> np.ndarray:
-        # Lowest class first, then values leased to a load that has not read them
-        # yet (``lease_ids``) last, then LRU (``index_ops.eviction_order``). In slot
-        # order: a batch's values then lie back to back where they can, so a direct
-        # load finds them in runs it moves by DMA (``connector/worker/block_io/mapped_slots.py``).
-        ready, order = index_ops.eviction_order(self._state, self._retention, self._lease_until, self._last_used,
-                                                self._clock())
-        if not len(ready):
-            return ready
-        # numpy's partition: numba's took seconds more to compile than all the rest.
-        victims = np.sort(ready[np.argpartition(order, min(count, len(ready)) - 1)[:count]])
-        self._drop_ready(victims)
-        return victims
-
-    def _drop_ready(self, slots: np.ndarray) -> None:
-        """Take READY values out of the index and the block records; the caller decides the slots' state."""
-        index_ops.drop(self._index, self._records, self._slot_groups, slots)
-        # Logged for readers of this pool's evictions (KV events' BlockRemoved, ``backends/local.py``).
-        log = (int(self._header[H_EVICTIONS]) + np.arange(len(slots))) % self.layout.num_slots
-        self._evicted_hi[log], self._evicted_lo[log] = self._slot_group_hi[slots], self._slot_group_lo[slots]
-        # Counted as evictions: the eviction counter is the presence epoch (backends/local.py),
-        # which tells schedulers that values they counted may be gone.
-        self._header[H_EVICTIONS] += len(slots)
-        self._header[H_NUM_READY] -= len(slots)
 
     # ---- public API --------------------------------------------------------
     @property
@@ -189,7 +163,7 @@ class SharedHostPool:
                 ready = start + np.flatnonzero(self._state[start:stop] == READY)
                 if len(wanted):
                     ready = ready[(rows[ready, : len(wanted)] == wanted).all(axis=1)]
-                self._drop_ready(ready)
+                self._eviction.drop(ready)
                 self._state[ready] = FREE
             evicted += len(ready)
             start = stop
@@ -304,20 +278,8 @@ class SharedHostPool:
             return index_ops.record_parts(self._records, groups.hi, groups.lo)
 
     def evicted_since(self, seen: int) -> tuple[int, BlockGroups | None]:
-        """(evictions so far, the block record ids of the values evicted after the first ``seen``).
-
-        None instead of the ids when more than the log holds were evicted
-        since (the whole pool turned over): the caller rechecks its blocks.
-        Ids repeat (one per value) and include 0s for values without a record.
-        """
-        if int(self._header[H_EVICTIONS]) == seen:  # the usual step: no lock, nothing to copy
-            return seen, BlockGroups(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-        with self._file.locked():
-            now = int(self._header[H_EVICTIONS])
-            if now - seen > self.layout.num_slots:
-                return now, None
-            log = np.arange(seen, now) % self.layout.num_slots
-            return now, BlockGroups(self._evicted_hi[log], self._evicted_lo[log])
+        """(evictions so far, the block record ids of the values evicted after the first ``seen``): ``Eviction``'s."""
+        return self._eviction.evicted_since(seen)
 
     def still_valid(self, slot: int, version: int) -> bool:
         """Whether a slot read since ``pin_ids`` was not reused meanwhile."""
