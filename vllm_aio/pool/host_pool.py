@@ -1,42 +1,9 @@
-"""A bounded host-memory block store shared by the processes of one machine, keyed by ids.
-
-vLLM runs the scheduler in the engine-core process and, with TP > 1, each
-worker in a process of its own; all of them must see one pool (the scheduler
-asks "is it there?", the workers copy bytes in and out). The pool is therefore
-one file in ``/dev/shm`` that every process maps (``shm_file.py``: its life,
-lock and pid table; ``layout.py``: its regions). This module is the store
-itself, on ids only (``ids.py`` mixes them from keys and block hashes):
-
-* Every value has the same size (one rank's bytes of one KV block), so memory
-  is an array of fixed slots: no fragmentation, O(1) allocation, and eviction
-  is "least recently used READY slot of the lowest retention class": a value
-  carries the class of the request that stored it (from its vLLM priority,
-  ``priority_cutoffs``), raised when a request of a higher class stores it again.
-* Block records answer the scheduler's question, "how many leading blocks
-  have every part stored?", with one probe per block instead of one per part
-  (shards x layers): a second open-addressed table keyed by the block's record
-  id counts the block's READY values. ``commit`` adds one, eviction takes one
-  away, so a record is exact at every moment the lock is free. Values that
-  are not of a block (record id hi 0) have no record.
-* A lease puts values at the back of their class's eviction order until a
-  deadline (``lease_ids``): the scheduler leases the blocks it promises to a
-  load, so the saves between its lookup and the worker's read evict every other
-  value of that class first. A lease never refuses a save and never outranks a
-  retention class. Deadlines are ``CLOCK_MONOTONIC`` times, one clock for every
-  process of the host.
-* An eviction log tells any attached process which blocks lost a value, so
-  an instance can report ``BlockRemoved`` for blocks evicted by another
-  process (a worker's put, another instance sharing the pool): the k-th
-  eviction writes its block record's id at entry ``k % num_slots``, and a
-  reader keeps its own count of evictions read (``evicted_since``).
-* Index and metadata change under the pool's lock; copies run outside it. A
-  reader never blocks a writer: it notes the slot's version, copies, and
-  rechecks the version, so a slot evicted and rewritten mid-copy is reported
-  CORRUPT (the caller recomputes) instead of being served torn.
-
-The loops over ids under the lock (index, block records, eviction order) are
-compiled (``pool/index_ops.py``), so a batch costs well under a microsecond a
-value and copies run at memcpy speed (``docs/benchmarks.md``).
+"""A bounded host-memory block store shared by the processes of one machine, keyed by ids: one file
+in ``/dev/shm`` (``shm_file.py``, ``layout.py``) that the scheduler and every worker map, fixed-size
+slots, block records counting each block's stored parts, leases, retention classes and eviction
+(``eviction.py``). Index and metadata change under the pool's lock; copies run outside it, and a
+reader rechecks a slot's version after its copy. The design: ``docs/architecture.md``, "The
+embedded pool's store".
 """
 
 from __future__ import annotations
