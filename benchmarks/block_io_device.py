@@ -15,7 +15,7 @@ after ``--warmup``; every timing starts and ends with a device synchronize):
 
 Those two are the *staged* path (what Mooncake and Memcache take, and the
 embedded pool where the device cannot map host memory). Where it can (CUDA),
-``open_block_io`` picks the *direct* path (``connector/block_io/mapped_slots.py``), timed
+``open_block_io`` picks the *direct* path (``connector/worker/block_io/mapped_slots.py``), timed
 side by side as ``direct save`` / ``direct load``: the pool's slots are mapped
 into the device once, a load is one gather kernel reading the slots plus the
 on-device scatter, a save the on-device gather plus one scatter kernel writing
@@ -84,7 +84,7 @@ import torch
 
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
-from vllm_aio.connector.block_io import (
+from vllm_aio.connector.worker.block_io import (
     BlockIO, BlockRef, CopyHandoff, InPlacePath, StagedPath, ValueLabels, open_block_io,
 )
 from vllm_aio.device.block_layout import BlockLayout

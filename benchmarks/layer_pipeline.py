@@ -118,8 +118,8 @@ import torch
 
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
-from vllm_aio.connector.block_io import Loaded, BlockIO, BlockRef, CopyHandoff, open_block_io
-from vllm_aio.connector.transfer import TransferThread
+from vllm_aio.connector.worker.block_io import Loaded, BlockIO, BlockRef, CopyHandoff, open_block_io
+from vllm_aio.connector.worker.transfer import TransferThread
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Unit
 from benchmarks._accel import Accel, copy_bandwidth, timed

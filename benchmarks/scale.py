@@ -53,7 +53,7 @@ from benchmarks._report import arguments, plot, plot_argument, print_markdown, p
 from vllm_aio.backends import Backend
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.config import TransferMode
-from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.connector.scheduler.scheduler import AioScheduler
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import BlockParts, Namespace, block_key
 from vllm_aio.pool.ownership import Ownership

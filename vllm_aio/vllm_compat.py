@@ -1,42 +1,10 @@
-"""The vLLM internals that moved between the versions this package runs on: 0.23 (vllm-ascend
-v0.23) through 0.27.1 (vllm-ascend main) and 0.32 to 0.33.
-
-Every seam detects the feature itself, never a version string, and the rest of the package asks
-here instead of reaching into vLLM where the versions differ. What only a newer vLLM can do
-refuses at start (``require``), naming the setting and the version it needs.
-
-What differs, and what each side does:
-
-* Async load completions: 0.32 asks ``get_transfer_results`` (with per-request failures); older
-  versions ask ``get_finished``. The connector answers both (``transfer_results`` builds 0.32's).
-* Per-request load failures (``KVConnectorOutput.failed_recving``): 0.32 only. Without them a
-  hybrid model's failed load could not be reported, so hybrid models need 0.32.
-* ``KVCacheConfig.hash_block_size`` and ``kv_cache_layout``, ``AttentionSpec.dcp_sharded``,
-  ``SlidingWindowSpec.extra_retained_tokens``: 0.32 fields, derived as older vLLM does.
-* ``SchedulerOutput.kv_cache_block_copies``: absent in 0.23 (no copies to follow).
-* How a plan lets layers share device memory, which the dynamic buffer's aliasing needs
-  (``buffer_plan_form``): from 0.29 a ``KVCacheTensor`` places its ``layers`` at ``offset`` of one
-  allocation (``layer_stride`` apart); 0.23-0.28 give every layer of ``shared_by`` the same tensor.
-* ``vllm.v1.metrics.cache_hit_source``: 0.32 labels prefix hits by source; older versions do not.
-* The KV cache planner ``get_kv_cache_configs``: in ``kv_cache_planning`` from 0.33, with the
-  model's KV cache groups as a fourth parameter; in ``kv_cache_utils`` before.
-* Sleep mode (0.33 asks ``supports_sleep_mode``): the connector answers False, so vLLM refuses
-  ``enable_sleep_mode`` at start (``AioConnector.supports_sleep_mode`` says why).
-* The dynamic buffer (``vllm_aio/buffer/``) reaches further: it patches vLLM's KV cache planner
-  and the engine core's imported copy of it, writes an attribute onto the workers' plan, rewrites
-  the block tables and slot mappings of the attention metadata in place, and launches a compiled
-  Triton kernel through Triton's launcher. All of that is below (``buffer_internals_missing``
-  names what an upgrade took away; the buffer refuses to start then, naming it).
-* Hooks that run at other times there (``start_load_kv`` always before the forward, no
-  ``wait_for_save`` on steps without one) need nothing: the worker is correct in either order.
-  0.33 adds two orders: ``update_state_after_alloc`` of an async load a step after its lookup
-  (async scheduling; the scheduler keeps the lookup's plan until then), and, in model runner V2
-  with a drafter, ``get_transfer_results`` and ``get_block_ids_with_load_errors`` before
-  ``wait_for_save`` (whole-block saves then no longer see the step's failed loads: a known gap,
-  ``tests/unit/test_worker.py``'s xfail).
-
-No torch here: the scheduler half imports this module (the buffer's seams import torch, vLLM and
-Triton only when called).
+"""The vLLM internals that moved between the versions this package runs on (0.23 through 0.33), and
+the vLLM internals the package reads (parallel ranks, the platform, attention layers) or the dynamic
+buffer patches. Every seam detects the feature itself, never a version string; what only a newer
+vLLM can do refuses at start (``require``), naming the setting and the version it needs. No torch
+here: the scheduler half imports this module (seams import torch, vLLM and Triton only when
+called). What differs between versions, and what each seam does: ``docs/architecture.md``,
+"vLLM versions".
 """
 
 from __future__ import annotations
@@ -157,6 +125,34 @@ def device_type() -> str:
     from vllm.platforms import current_platform
 
     return str(current_platform.device_type)
+
+
+def on_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def parallel_ranks() -> dict[str, int]:
+    """This worker's rank in each of vLLM's parallel groups (tensor, pipeline, prefill and decode context)."""
+    from vllm.distributed import parallel_state as ps
+
+    return {
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp_rank": ps.get_pp_group().rank_in_group,
+        "pcp_rank": ps.get_pcp_group().rank_in_group,
+        "dcp_rank": ps.get_dcp_group().rank_in_group,
+    }
+
+
+def attention_isas(vllm_config: Any, layer_names: Iterable[str]) -> list[str]:
+    """The kernels vLLM's CPU attention chose for ``layer_names`` (its metadata builders set ``isa`` on
+    each layer before the KV cache is registered), sorted; ``["none"]`` where no layer says."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention, list(layer_names))
+    return sorted({str(getattr(layer, "isa", "unknown")) for layer in layers.values()}) or ["none"]
 
 
 def kv_cache_block_copies(scheduler_output: Any) -> list[Any]:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from vllm_aio.backends import Backend, Status
 from vllm_aio.config import TransferMode
-from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.connector.scheduler.scheduler import AioScheduler
 from vllm_aio.pool.keys import Namespace, block_key
 from vllm_aio.pool.ownership import Ownership
 from vllm_aio.shared.deployment import Deployment

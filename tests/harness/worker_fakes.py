@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from vllm_aio.config import AioConfig, TransferMode
-from vllm_aio.connector.worker import AioWorker
+from vllm_aio.connector.worker.worker import AioWorker
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Namespace
 from vllm_aio.shared.deployment import Deployment

@@ -19,7 +19,7 @@ import torch
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.device.block_layout import cache_tensors
 from vllm_aio.config import AioConfig, TransferMode
-from vllm_aio.connector.worker import AioWorker
+from vllm_aio.connector.worker.worker import AioWorker
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Namespace
 from vllm_aio.pool.ownership import Ownership

@@ -20,14 +20,14 @@ from harness.devices import CUDA, marks
 
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
-from vllm_aio.connector.block_io import (
+from vllm_aio.connector.worker.block_io import (
     BlockIO, BlockRef, CopyHandoff, DirectPath, InPlacePath, StagedPath, ValueLabels, open_block_io,
 )
-from vllm_aio.connector.block_io.staging_save import Copied, StagingSave
+from vllm_aio.connector.worker.block_io.staging_save import Copied, StagingSave
 from vllm_aio.device.block_layout import BlockLayout
-from vllm_aio.connector.block_io.mapped_slots import MappedSlots
+from vllm_aio.connector.worker.block_io.mapped_slots import MappedSlots
 from vllm_aio.device.staging import StagingBuffer
-from vllm_aio.connector.transfer import TransferThread
+from vllm_aio.connector.worker.transfer import TransferThread
 from vllm_aio.device.accelerator import Device
 from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader
 from vllm_aio.pool.keys import Unit
@@ -156,7 +156,7 @@ class CopyInFlight:
 
 
 def test_a_chunk_of_an_abandoned_save_gives_its_staging_back_only_after_its_copy(monkeypatch):
-    from vllm_aio.connector.block_io import base
+    from vllm_aio.connector.worker.block_io import base
 
     caches = {n: torch.zeros(SHAPES["block_major"], dtype=torch.bfloat16) for n in LAYERS}
     layout = BlockLayout(caches, LAYERS, NUM_BLOCKS)
@@ -184,7 +184,7 @@ def test_a_chunk_of_an_abandoned_save_gives_its_staging_back_only_after_its_copy
 
 
 def test_batch_larger_than_the_staging_buffer_moves_chunk_by_chunk(device_and_shape, monkeypatch):
-    from vllm_aio.connector.block_io import base
+    from vllm_aio.connector.worker.block_io import base
 
     device, shape = device_and_shape
     value = make_io(device, shape, None, seed=1)[0].value_bytes(EVERY_LAYER)
@@ -282,7 +282,7 @@ def test_a_save_whose_staging_earlier_puts_still_hold_is_dropped_without_waiting
 
 
 def test_batches_split_into_chunks_keep_every_block_and_every_status(device_and_shape, monkeypatch):
-    from vllm_aio.connector.block_io import base
+    from vllm_aio.connector.worker.block_io import base
 
     monkeypatch.setattr(base, "_CHUNK_BYTES", 1)  # one value per chunk
     device, shape = device_and_shape
@@ -393,7 +393,7 @@ def test_a_direct_save_that_raises_gives_its_reserved_slot_back(device, monkeypa
 
 @pytest.mark.parametrize("device", DIRECT_DEVICES)
 def test_slots_in_runs_move_by_dma_byte_for_byte(device, monkeypatch):
-    from vllm_aio.connector.block_io import mapped_slots
+    from vllm_aio.connector.worker.block_io import mapped_slots
 
     monkeypatch.setattr(mapped_slots, "_MIN_DMA_BYTES", 1)  # every run worth a DMA (accelerators)
     shape = SHAPES["kv_split"]

@@ -179,15 +179,15 @@ def test_no_two_subpackages_import_each_other():
 def test_the_graph_checks_find_a_circle_and_a_mutual_pair():
     graph = {
         "vllm_aio.buffer.plan": {"vllm_aio.registration": "plan.py:1"},
-        "vllm_aio.registration": {"vllm_aio.connector.worker": "registration.py:2"},
-        "vllm_aio.connector.worker": {"vllm_aio.buffer.plan": "worker.py:3", "vllm_aio.log": "worker.py:4"},
+        "vllm_aio.registration": {"vllm_aio.connector.worker.worker": "registration.py:2"},
+        "vllm_aio.connector.worker.worker": {"vllm_aio.buffer.plan": "worker.py:3", "vllm_aio.log": "worker.py:4"},
         "vllm_aio.log": {},
         "vllm_aio.migration.driver": {"vllm_aio.devtools.greedy": "driver.py:5"},
         "vllm_aio.devtools.greedy": {},
         "vllm_aio.devtools.load": {"vllm_aio.migration.transport": "load.py:6"},
         "vllm_aio.migration.transport": {},
     }
-    assert circles(graph) == [["vllm_aio.buffer.plan", "vllm_aio.connector.worker", "vllm_aio.registration"]]
+    assert circles(graph) == [["vllm_aio.buffer.plan", "vllm_aio.connector.worker.worker", "vllm_aio.registration"]]
     assert "vllm_aio.buffer.plan (plan.py:1) -> vllm_aio.registration" in _one_circle(graph, circles(graph)[0])
     assert mutual_units(graph) == [
         "devtools <-> migration: load.py:6 imports vllm_aio.migration.transport; "
@@ -205,6 +205,14 @@ def test_buffer_imports_nothing_of_connector():
 
 def test_migration_imports_nothing_of_connector():
     assert violations("migration", "vllm_aio.connector") == []
+
+
+def test_scheduler_half_imports_no_torch_and_nothing_of_the_worker_half():
+    assert violations("connector/scheduler", "torch", "vllm_aio.connector.worker") == []
+
+
+def test_worker_half_imports_nothing_of_the_scheduler_half():
+    assert violations("connector/worker", "vllm_aio.connector.scheduler") == []
 
 
 def test_buffer_imports_vllm_only_through_vllm_compat():

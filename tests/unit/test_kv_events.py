@@ -26,8 +26,8 @@ from vllm_aio.backends.local import LocalBackend
 from vllm_aio.config import AioConfig
 from vllm_aio.connector.events import KVEvents, Removed, SavedParts, SettledSaves, Stored
 from vllm_aio.shared.metadata import AioConnectorMetadata
-from vllm_aio.connector.scheduler import AioScheduler
-from vllm_aio.connector.worker import AioWorker
+from vllm_aio.connector.scheduler.scheduler import AioScheduler
+from vllm_aio.connector.worker.worker import AioWorker
 from vllm_aio.backends.local import PoolSlots
 from vllm_aio.pool.host_pool import SharedHostPool
 from vllm_aio.pool.keys import BlockParts
@@ -391,3 +391,37 @@ def test_backends_name_their_medium():
 
     assert (LocalBackend.event_medium, MooncakeBackend.event_medium, MemcacheBackend.event_medium) == (
         "LOCAL_POOL", "MOONCAKE", "MEMCACHE")
+
+
+def test_ranks_saved_parts_reach_the_events_through_vllms_worker_metadata():
+    """Two ranks' reports ride vLLM's worker metadata, pickled as vLLM sends a worker's output,
+    folded by vLLM's own aggregator (the multiproc executor's with TP=2) and read back by the facade."""
+    import copy
+    import pickle
+
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
+
+    from vllm_aio.connector.connector import AioConnector
+    from vllm_aio.connector.vllm_events import SavedPartsMetadata
+
+    dep = deployment(tp=2, heads=2)
+    connector = AioConnector.__new__(AioConnector)  # the facade alone, over a real scheduler half
+    connector._scheduler = sched = AioScheduler(dep, DictBackend(), KVEvents(BS, None, TIMEOUT))
+    req = Req("a", 3 * BS)
+    sched.update_state_after_alloc(req, blocks([1, 2, 3]), 0)
+    req.all_token_ids, req.lora_request = list(range(3 * BS)), None
+    sched.build_connector_meta(step(new=[("a", [1, 2, 3], 0)], scheduled={"a": 3 * BS}))
+    outputs = []
+    for shard in shards(dep):
+        output = copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
+        meta = SavedPartsMetadata([report(shard, req.block_hashes)])
+        output.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=pickle.loads(pickle.dumps(meta)))
+        outputs.append(output)
+    merged = KVOutputAggregator(len(outputs)).aggregate(outputs)
+    assert len(merged.kv_connector_output.kv_connector_worker_meta.reports) == 2
+    connector.update_connector_output(merged.kv_connector_output)
+    [stored] = connector.take_events()
+    assert isinstance(stored, BlockStored) and len(stored.block_hashes) == 3
+    assert list(connector.take_events()) == []

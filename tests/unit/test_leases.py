@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_aio.connector.leases import LEASE_MIN_SECONDS, Leases
+from vllm_aio.connector.scheduler.leases import LEASE_MIN_SECONDS, Leases
 from vllm_aio.pool.keys import BlockParts
 
 PARTS = BlockParts("ns", ("pp0.dcp0.h0",), (None,))

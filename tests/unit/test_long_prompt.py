@@ -19,8 +19,8 @@ import torch
 
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.config import AioConfig, TransferMode
-from vllm_aio.connector.scheduler import AioScheduler
-from vllm_aio.connector.worker import AioWorker
+from vllm_aio.connector.scheduler.scheduler import AioScheduler
+from vllm_aio.connector.worker.worker import AioWorker
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import Namespace
 from vllm_aio.pool.ownership import Ownership

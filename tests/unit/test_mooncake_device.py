@@ -23,8 +23,8 @@ import torch
 from vllm_aio.backends import Memory, Status
 from vllm_aio.backends import mooncake as mooncake_module
 from vllm_aio.backends.mooncake import MooncakeBackend, MooncakeSettings
-from vllm_aio.connector import block_io
-from vllm_aio.connector.block_io import BlockRef, CopyHandoff, InPlacePath, open_block_io
+from vllm_aio.connector.worker import block_io
+from vllm_aio.connector.worker.block_io import BlockRef, CopyHandoff, InPlacePath, open_block_io
 from vllm_aio.device.accelerator import Device
 from vllm_aio.pool.entry import HEADER_BYTES, EntryHeader
 from vllm_aio.pool.keys import Unit

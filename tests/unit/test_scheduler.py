@@ -12,8 +12,8 @@ from harness.scheduler_fakes import (DictBackend, DownBackend, Req, block_hash, 
                                      deployment, shards, step, store)
 from vllm_aio.config import TransferMode
 from vllm_aio.errors import ConfigError
-from vllm_aio.connector.leases import LEASE_MIN_SECONDS
-from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.connector.scheduler.leases import LEASE_MIN_SECONDS
+from vllm_aio.connector.scheduler.scheduler import AioScheduler
 from vllm_aio.migration.flushes import FlushRequests
 from vllm_aio.pool.keys import block_key
 from vllm_aio.shared.metadata import WorkerFacts

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from harness.scheduler_fakes import BS, DictBackend, Req, deployment, shards
 
 from vllm_aio.config import TransferMode
-from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.connector.scheduler.scheduler import AioScheduler
 from vllm_aio.pool.keys import block_key, group_block_hashes
 from vllm_aio.shared.deployment import CacheGroup, Deployment
 

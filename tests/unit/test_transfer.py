@@ -1,4 +1,4 @@
-"""Unit tests of ``vllm_aio.connector.transfer.TransferThread``."""
+"""Unit tests of ``vllm_aio.connector.worker.transfer.TransferThread``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from vllm_aio.connector.transfer import TransferThread
+from vllm_aio.connector.worker.transfer import TransferThread
 
 
 def test_jobs_run_in_submission_order_on_the_named_thread():

@@ -17,7 +17,7 @@ from harness.worker_fakes import (LAYERS, NUM_BLOCKS, PAGE_BYTES, VALUE_BYTES, d
 from vllm_aio.backends import Status
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.config import AioConfig
-from vllm_aio.connector.worker import AioWorker
+from vllm_aio.connector.worker.worker import AioWorker
 from vllm_aio.pool.entry import HEADER_BYTES
 from vllm_aio.pool.keys import block_key
 from vllm_aio.pool.ownership import Ownership

@@ -1,39 +1,8 @@
-"""The contract every pooled store implements.
-
-A value is the bytes of one KV block (of one rank, possibly of one layer),
-scattered over several regions: the worker passes, per key, a list of
-``(address, size)`` segments and the backend copies between those segments
-and its own memory. Addresses make the contract identical for the embedded
-pool (memcpy), Mooncake (``batch_put_from_multi_buffers``) and Memcache, and
-let zero-copy backends register the memory once.
-
-What a segment points to: memory of the calling process, readable (put) or
-writable (get) for the whole call, and host memory (``Memory.HOST``: RAM the
-CPU addresses, pageable, page-locked or shared) unless it lies in a region
-the caller registered as ``Memory.DEVICE`` with a backend whose
-``segment_memory`` includes it. The connector hands host memory only: the KV
-cache itself on the CPU, page-locked staging buffers on accelerators
-(``connector/block_io/``).
-
-Every call is batched and returns one typed ``Status`` per key. The keys of one
-put or get batch are distinct (``connector/block_io/`` reads a key shared by
-several blocks once): a store may mishandle a repeat (Mooncake answers success
-for both and fills one destination), so a backend answers a repeat ``ERROR``
-without running it (``distinct_only``). Every value of a pool has one size
-(``value_bytes``, given when the backend is opened): a put of segments of
-another total stores nothing, a get of another total is ``CORRUPT`` and
-copies nothing. A backend never raises for a per-key condition (missing,
-pool full, short value); it raises only when it cannot serve at all (e.g.
-closed: ``RuntimeError``), which the caller turns into misses.
-
-The scheduler asks at block granularity (``count_complete_blocks``): how many
-leading blocks of a prompt have every part (shard x unit, ``pool/keys.py``
-``BlockParts``) stored. Its cost must not grow with layers x shards: a store
-that can, keeps per-block records (the embedded pool); a store that cannot
-probes one part per block (``remote.count_by_probes``), and a part missing
-despite the answer fails at load, where vLLM recomputes it
-(``get_block_ids_with_load_errors``). ``presence_epoch`` tells the scheduler
-how long an answer stays true.
+"""The contract every pooled store implements: a value is one KV block's bytes (of one rank, maybe
+one layer) as ``(address, size)`` segments of host memory, or of device memory a backend says it
+takes; every call is batched and answers one typed ``Status`` per key, never raising for a per-key
+condition; the scheduler asks at block granularity (``count_complete_blocks``,
+``presence_epoch``). The rules in full: ``docs/backends.md``, "The contract".
 """
 
 from __future__ import annotations

@@ -1,41 +1,8 @@
-"""The Mooncake store as a pooled backend: zero-copy batches over a shared pool.
-
-Why Mooncake: its master hands out space in memory segments that other
-processes contribute (a standalone ``mooncake_client`` or engines themselves),
-so a pool outlives any one engine and is shared across hosts. Values move
-between those segments and our registered KV memory without a staging copy:
-``batch_put_from_multi_buffers`` gathers a block's per-layer pieces straight
-from the cache and ``batch_get_into_multi_buffers`` scatters them back. Over
-tcp each piece costs a transfer slice of its own, so pieces smaller than 32 KiB
-on average are gathered into one registered staging buffer instead (faster for
-small pieces, measured by benchmarks/mooncake_backend.py: docs/benchmarks.md).
-
-What this module adds over the raw client, each learned the hard way:
-
-- Settings users of vLLM and vllm-ascend already know (``mooncake_settings.py``).
-- Every return code becomes a typed ``Status``. The codes (``ErrorCode`` in
-  Mooncake's ``types.h``; verified against a real master, see the tests):
-  0 or a byte count on success; -200 pool full; -600 invalid parameters (also a
-  destination smaller than the value); -704 not found; -705 already exists;
-  -800 transfer failed (also a destination larger than the value, or the
-  memory owner gone); -900 master RPC failed. A put of an existing key returns
-  0 and keeps the old value, so it reports ``OK``, not ``EXISTS``.
-- Bounded failure. With the master gone, every client call blocks about 4.3 s
-  (the C++ RPC pool reconnects three times, one second apart, and exposes no
-  setting), and ``setup`` retries for about 90 s. We check the master's TCP
-  port before ``setup``, lower the setup retries, retry RPC failures only while
-  the port answers and a few hundred ms remain, and after a failure answer
-  ERROR at once until a probe sees the master again (``remote.MasterLink``).
-  (Not covered: a port that accepts TCP but is not a master costs ``setup``
-  30 s per retry.)
-- ``setup`` holds the GIL for its whole duration; the batch calls release it.
-- No call reaches the store after ``close`` (the client segfaults then).
-- Segments point to host memory (``base.py``); the transfer engine moves
-  registered memory without a copy, so the backend wants it registered.
-  Device-direct (UNVERIFIED on an NPU): with Mooncake's NPU build and
-  ``protocol: ascend``, segments may also point to this process's NPU memory
-  registered as such (``segment_memory``), moved by the Ascend transport as
-  vllm-ascend moves its KV cache; the worker then registers its KV cache.
+"""The Mooncake store as a pooled backend: zero-copy batches (``batch_put_from_multi_buffers``,
+``batch_get_into_multi_buffers``) between registered KV memory and a pool shared across hosts, small
+pieces gathered through a registered staging buffer. Over the raw client it adds typed statuses for
+its return codes, bounded failure while the master is gone (``remote.MasterLink``), and no call
+after ``close``. Why each: ``docs/backends.md``, "Inside the Mooncake backend".
 """
 
 from __future__ import annotations

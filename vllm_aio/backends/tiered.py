@@ -1,51 +1,8 @@
-"""The tiered store: the embedded host pool (local tier) in front of a distributed pool (remote tier).
-
-Why: the embedded pool serves a hit at host-memory speed but only on its host;
-Mooncake and Memcache are shared across hosts but every hit crosses the
-network. Here a node that serves the same prefixes again hits its own pool,
-and an instance on another node still finds them in the shared one.
-
-- Lookup: a block hits when every part is in either tier. The local tier is
-  asked first (exact, one probe per block); the remote tier only for the blocks
-  after the local run, alternating while either tier finds more.
-- Load: from the local tier first, what it lacks (or could not read) from the
-  remote tier, and every remote hit is put into the local tier right away
-  (from the segments the get just filled), so the next load on this host is local.
-  The connector checks a value's entry header after the get, so a foreign
-  value is promoted too, and refused from the local tier as from the remote.
-- Save: into the local tier at once; to the remote tier either in the
-  background (``_RemoteWriter``: a bounded queue of keys, each value read back
-  from the local tier when its turn comes) or before the save returns
-  (``write_through``). A value the local tier cannot take goes to the remote
-  tier during the save in either mode; a value the local tier already holds
-  (another instance on this host, or a promotion) is not written again.
-
-What is guaranteed:
-
-- The tiers are independent stores: eviction from the local tier never
-  touches the remote tier, so a value the remote tier holds stays loadable.
-- write-through: every value this instance stored in the local tier was put to
-  the remote tier before the save returned, unless the remote tier refused it
-  or failed (counted, ``remote_tier_dropped``).
-- background: every value this instance stored in the local tier is put to the
-  remote tier later, unless ``remote_queue_size`` values were already waiting
-  when it was saved, the local tier evicted it before its turn, the remote
-  tier refused it or failed, or the engine closed with it still waiting after
-  ``_CLOSE_TIMEOUT``. Each such value is counted (``remote_tier_dropped``) and
-  lives in the local tier only: hits on this host until evicted, recomputed
-  elsewhere. A save never waits for the queue.
-
-A remote tier that dies costs misses, not the local tier: Mooncake and
-Memcache answer ERROR at once while their service is gone and reconnect by
-themselves once it answers again (``remote.MasterLink``); here any remote
-failure, an exception included, is a miss at lookup and load and a drop at save.
-
-No ``slots()``: the direct path (``connector/block_io/direct.py``) copies
-between the cache and one pool's slots and never calls ``batch_get``, so a
-block only the remote tier holds could never load. Values take the staged
-path (on the CPU the local tier still copies straight into the KV cache);
-``benchmarks/tiered_ttft.py`` measures a local-tier hit next to the embedded
-pool alone.
+"""The tiered store: the embedded host pool (local tier) in front of Mooncake or Memcache (remote
+tier). Lookups span both tiers, loads read the local tier first and promote remote hits into it,
+saves go to the local tier at once and to the remote tier in the background (a bounded queue) or
+write-through; a remote failure is a miss or a counted drop, never the local tier's. No ``slots()``:
+values take the staged path. What is guaranteed: ``docs/backends.md``, "Inside the tiered store".
 """
 
 from __future__ import annotations

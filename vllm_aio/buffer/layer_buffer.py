@@ -1,40 +1,9 @@
-"""The dynamic layer buffer: L layers time-share S device KV buffers.
-
-vLLM's cache was re-planned (``plan.py``) so that layer ``l`` lives in device
-buffer ``l % S`` and every layer's full KV lives in host memory (``host_kv.py``,
-page-locked on accelerators). Each step the worker makes the step's blocks of
-layer ``l`` resident in its buffer before layer ``l`` runs, and copies the K/V
-the step wrote back to host before layer ``l + S`` reuses the buffer. What moves
-is planned once a step (``steps.py``); how it moves is ``copier.py``'s.
-
-Ordering, per step (``S = 2``, hooks named as vLLM calls them):
-
-* step start (``begin_step``): apply vLLM's block zeroing and copy-on-write
-  copies to the host copy, then load layers ``0 .. S-1`` (after whatever the
-  compute stream was given before: vLLM's own block copies in the cache);
-* after layer ``l``'s attention (``layer_done``): write back layer ``l``'s
-  newly written blocks, then load layer ``l + S`` into the same buffer
-  (same stream, and after layer ``l``'s attention even when nothing is
-  written back, so the load cannot overtake the write-back or the attention);
-* before layer ``l + 1`` writes its K/V (``before_layer``): the compute stream
-  waits for that layer's load event (which also follows the buffer's previous
-  write-back). Loading inside ``wait_for_layer_load`` would be too late: vLLM
-  writes the step's new K/V into the cache before it calls that hook, and the
-  load would overwrite them.
-
-Why two buffers suffice: if loading a layer is faster than its forward, the
-load of ``l + 1`` is done before it is needed; if slower, the buffer that load
-targets was released by ``l - 1`` one layer earlier (benchmarks/dynamic_buffer.py
-compares S = 2, 3 and 4).
-
-Resident blocks (``dynamic_buffer_resident_blocks``): the step's ``pinned``
-blocks live past vLLM's blocks, at private ids of each layer's buffer
-(``BlockRemap.private_base``), and vLLM's tables are pointed there layer by
-layer (``remap.py``). They are not loaded; a ``promoted`` block is copied from
-the host copy to its private place in every layer (with that layer's load), and
-a written one is copied back from there once, after the forward. A step whose
-blocks are all pinned does no per-layer copies at all. The host copy covers
-vLLM's blocks only.
+"""The dynamic layer buffer's order of work: L layers time-share S device KV buffers (layer ``l`` in
+buffer ``l % S``, every layer's KV in a host copy). Each step loads layers ``0 .. S-1`` at its start,
+and after layer ``l``'s attention writes back what it wrote and loads layer ``l + S`` into the same
+buffer; the compute stream waits for a layer's load before that layer writes its K/V. Resident
+blocks live at private ids past vLLM's. Why this order and why two buffers suffice:
+``docs/transfer_modes.md``, "The dynamic buffer, layer by layer".
 """
 
 from __future__ import annotations

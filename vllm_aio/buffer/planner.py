@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 # What the planner reads of the step's requests, as Protocols: the scheduler half passes its
-# ``connector/save_plan.py`` ``Scheduled``, and the buffer imports nothing of the connector.
+# ``connector/scheduler/save_plan.py`` ``Scheduled``, and the buffer imports nothing of the connector.
 class _Request(Protocol):
     @property
     def request_id(self) -> str: ...

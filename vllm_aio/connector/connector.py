@@ -21,15 +21,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_aio import backends, vllm_compat
 from vllm_aio.backends import Backend
-from vllm_aio.config import TransferMode, parse_extra_config, transfer_mode_of
-from vllm_aio.connector.events import KVEvents
-from vllm_aio.connector.scheduler import AioScheduler
+from vllm_aio.config import parse_extra_config, transfer_mode_of
+from vllm_aio.connector.scheduler.scheduler import AioScheduler
 from vllm_aio.connector.stats import AioConnectorStats, AioPromMetrics
-from vllm_aio.connector.vllm_events import SavedPartsEvents, to_vllm
-from vllm_aio.device.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
+from vllm_aio.connector.vllm_events import SavedPartsMetadata, to_vllm
 from vllm_aio.errors import ConfigError
 from vllm_aio.log import get_logger
-from vllm_aio.pool.ownership import Ownership
 from vllm_aio.shared.deployment import build_deployment
 from vllm_aio.shared.metadata import AioConnectorMetadata, WorkerFacts
 
@@ -44,9 +41,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from vllm_aio.config import AioConfig
-    from vllm_aio.connector.worker import AioWorker
+    from vllm_aio.connector.worker.worker import AioWorker
     from vllm_aio.device.block_layout import LayerCache
-    from vllm_aio.pool.ownership import Topology
     from vllm_aio.shared.deployment import Deployment
 
 logger = get_logger(__name__)
@@ -61,53 +57,19 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
-        transfer = vllm_config.kv_transfer_config
-        cfg = parse_extra_config(transfer.kv_connector_extra_config)
+        cfg = parse_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         dep = build_deployment(vllm_config, kv_cache_config, cfg)
-        is_scheduler = role == KVConnectorRole.SCHEDULER
-        backend = self.open_backend(cfg, dep, is_scheduler)
         self._scheduler: AioScheduler | None = None
         self._worker: AioWorker | None = None
-        self._migration = None
-        self._amx: AmxPermission | None = None  # the worker's, on vLLM's CPU platform
-        self._facts: WorkerFacts | None = None  # the worker's, for the scheduler (get_handshake_metadata)
-        self._num_blocks = kv_cache_config.num_blocks
         self._exit_hook = shutdown_at_exit(self)
-        # vLLM's KV cache events (--kv-events-config): only an instance that saves has pool blocks to announce.
-        events_config = vllm_config.kv_events_config
-        kv_events = bool(events_config and events_config.enable_kv_cache_events) and dep.save_enabled
-        self._events: KVEvents | None = None
-        self._medium = backend.event_medium
-        if is_scheduler:
-            if kv_events:
-                self._events = KVEvents(dep.block_size, backend.block_watch(), cfg.transfer_timeout)
-            flushes = None
-            if cfg.migration:
-                from vllm_aio.migration.flushes import FlushRequests
-
-                flushes = FlushRequests()  # the migration control asks, the scheduler saves
-            self._scheduler = AioScheduler(dep, backend, self._events, max_lease_seconds=cfg.transfer_timeout,
-                                           flushes=flushes)
-            _log_start(cfg, dep, transfer, backend)
-            if flushes is not None:
-                from vllm_aio.migration.service import MigrationService
-
-                self._migration = MigrationService.start(
-                    self._scheduler.keying, flushes, backend, dep, cfg,
-                    vllm_config.cache_config.prefix_caching_hash_algo, transfer.kv_role, transfer.engine_id,
-                )
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = AioScheduler.start(vllm_config, cfg, dep, self.open_backend(cfg, dep, True))
         else:
-            # Imported only here: the worker half loads numba (llvmlite), and vLLM 0.32's CPU worker start
-            # scans every loaded module for Triton kernels, failing on llvmlite's function wrappers. In one
-            # process (TP=1 with the engine core in-process) it starts before the connector: a module level
-            # import made from vLLM's config check would have loaded them first.
-            from vllm_aio.connector.worker import AioWorker
+            # Imported only here: the worker half loads numba (llvmlite), which vLLM 0.32's CPU worker start
+            # fails on when it scans loaded modules for Triton kernels (before the connector, with TP=1).
+            from vllm_aio.connector.worker.worker import AioWorker
 
-            self._amx = _amx_for_cpu_attention()
-            self._worker = AioWorker(dep, backend, Ownership(_topology(dep)), cfg, kv_events=kv_events)
-            if not vllm_compat.records_kv_cache_layout(kv_cache_config):
-                # Built after the model, so after its attention backend chose the KV cache layout.
-                self._facts = WorkerFacts(kv_layout=dep.namespace.kv_layout)
+            self._worker = AioWorker.start(vllm_config, kv_cache_config, cfg, dep, self.open_backend(cfg, dep, False))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -134,9 +96,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- worker side -------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "LayerCache"]) -> None:
         # A tensor a layer from vLLM's runners, a tuple or list of them from vllm-ascend's (block_layout.py).
-        if self._amx is not None:
-            _log_cpu_attention(self._vllm_config, kv_caches, self._amx)
-        self._worker.register_kv_caches(kv_caches, self._num_blocks, self._vllm_config)
+        self._worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks, self._vllm_config)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, AioConnectorMetadata)
@@ -184,7 +144,7 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
         """Asked of every worker once its KV cache is registered: what the scheduler keys by, where
         vLLM's config does not say it (before 0.32). Behind vLLM's MultiConnector only the first
         connector's answer travels: there, name NixlConnector before this one."""
-        return self._facts
+        return self._worker.facts if self._worker else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
@@ -192,14 +152,13 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> AioConnectorStats | None:
         return self._worker.take_stats() if self._worker else None
 
-    def get_kv_connector_kv_cache_events(self) -> SavedPartsEvents | None:
+    def build_connector_worker_meta(self) -> SavedPartsMetadata | None:
+        """The saves this rank settled since the last step (KV events on), for the scheduler's KV events."""
         parts = self._worker.take_saved_parts() if self._worker else None
-        return SavedPartsEvents([parts]) if parts is not None else None
+        return SavedPartsMetadata([parts]) if parts is not None else None
 
     def shutdown(self) -> None:
         atexit.unregister(self._exit_hook)
-        if self._migration is not None:
-            self._migration.close()
         half = self._worker or self._scheduler
         if half is not None:
             half.close()
@@ -229,17 +188,14 @@ class AioConnector(KVConnectorBase_V1, SupportsHMA):
         self.set_xfer_handshake_metadata(dict(enumerate(metadata.values())))
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        saved = connector_output.kv_connector_worker_meta  # every worker's, aggregated by vLLM
         self._scheduler.update_connector_output(
-            connector_output.invalid_block_ids, vllm_compat.failed_recving(connector_output)
+            connector_output.invalid_block_ids, vllm_compat.failed_recving(connector_output),
+            saved.reports if isinstance(saved, SavedPartsMetadata) else (),
         )
-        saved = connector_output.kv_cache_events
-        if self._events is not None and isinstance(saved, SavedPartsEvents):
-            self._events.saved(saved.reports, self._scheduler.parts)
 
     def take_events(self) -> Iterable["KVCacheEvent"]:
-        if self._events is None:
-            return ()
-        return to_vllm(self._events.take(self._scheduler.parts), self._medium)
+        return to_vllm(self._scheduler.take_events(), self._scheduler.event_medium)
 
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
@@ -293,75 +249,3 @@ def shutdown_at_exit(connector: AioConnector) -> Callable[[], None]:
 
     atexit.register(hook)
     return hook
-
-
-def _topology(dep) -> "Topology":
-    from vllm.distributed import parallel_state as ps
-
-    return dep.topology(
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        pp_rank=ps.get_pp_group().rank_in_group,
-        pcp_rank=ps.get_pcp_group().rank_in_group,
-        dcp_rank=ps.get_dcp_group().rank_in_group,
-    )
-
-
-def _amx_for_cpu_attention() -> AmxPermission | None:
-    """On vLLM's CPU platform, the AMX permission its attention kernels need (``amx_permission.py``),
-    asked before the first forward; elsewhere None."""
-    from vllm.platforms import current_platform
-
-    return ensure_amx_for_cpu_attention() if current_platform.is_cpu() else None
-
-
-def _log_cpu_attention(vllm_config: "VllmConfig", kv_caches: dict[str, "LayerCache"], amx: AmxPermission) -> None:
-    """Which kernels vLLM's CPU attention chose (its metadata builders set ``isa`` on each layer
-    before the KV cache is registered): a run's log then says which path it exercised."""
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention.attention import Attention
-
-    layers = get_layers_from_vllm_config(vllm_config, Attention, list(kv_caches))
-    isas = sorted({str(getattr(layer, "isa", "unknown")) for layer in layers.values()}) or ["none"]
-    logger.info("vllm_aio: CPU attention kernels %s; AMX tiles %s%s", "/".join(isas), amx.state.value,
-                f" ({amx.reason})" if amx.reason else "")
-
-
-def _describe_groups(dep) -> str:
-    kinds = ["full" if g.window is None else f"window {g.window}" for g in dep.groups]
-    return f"{len(kinds)} ({', '.join(kinds)})" + (
-        "; loads run in the background: vLLM takes a failed load of a hybrid model per request only then"
-        if dep.hybrid else ""
-    )
-
-
-def _transfer_mode(cfg, dep) -> str:
-    if dep.transfer_mode is TransferMode.LAYERWISE:
-        return f"layerwise(prefetch={cfg.layerwise_prefetch_layers})"
-    if dep.transfer_mode is TransferMode.DYNAMIC_BUFFER:
-        return f"dynamic_buffer(count={dep.buffer_count})"
-    return str(dep.transfer_mode)
-
-
-def _log_start(cfg, dep, transfer, backend) -> None:
-    logger.info(
-        "vllm_aio: AioConnector role=%s backend=%s %s load=%s save=%s transfer=%s "
-        "save_decode_cache=%s block_size=%d value_bytes=%d kv_cache_groups=%s namespace=%s (%s)",
-        transfer.kv_role,
-        cfg.backend,
-        backend.describe(),
-        dep.load_enabled,
-        dep.save_enabled,
-        _transfer_mode(cfg, dep),
-        dep.save_decode_cache,
-        dep.block_size,
-        dep.value_bytes,
-        _describe_groups(dep),
-        dep.namespace.digest(),
-        dep.namespace,
-    )
-    if transfer.kv_load_failure_policy != "recompute":
-        logger.warning(
-            "vllm_aio: kv_load_failure_policy=%r: a block evicted between lookup and load fails "
-            "its request; set \"kv_load_failure_policy\": \"recompute\" to recompute it instead",
-            transfer.kv_load_failure_policy,
-        )

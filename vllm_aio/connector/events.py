@@ -34,7 +34,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm_aio.pool.keys import BlockParts
 
@@ -45,6 +45,13 @@ if TYPE_CHECKING:
 
 # Blocks announced to a store that cannot watch them: about 30 MB of hashes.
 _REMOTE_ANNOUNCED = 1 << 18
+
+
+def kv_events_on(vllm_config: Any, save_enabled: bool) -> bool:
+    """vLLM's KV cache events asked for (``--kv-events-config``), where this instance saves: only an
+    instance that saves has pool blocks to announce."""
+    events_config = vllm_config.kv_events_config
+    return bool(events_config and events_config.enable_kv_cache_events) and save_enabled
 
 
 @dataclass

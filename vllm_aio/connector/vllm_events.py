@@ -1,16 +1,14 @@
-"""The pool's KV events in vLLM's types (``events.py`` decides them in plain Python).
-
-* ``SavedPartsEvents`` carries each rank's ``SavedParts`` through vLLM's
-  worker -> scheduler channel for connector events
-  (``get_kv_connector_kv_cache_events``; vLLM's output aggregator merges the
-  workers' containers with ``add_events``).
-* ``to_vllm`` turns ``Stored`` / ``Removed`` into ``BlockStored`` /
-  ``BlockRemoved`` with the backend's medium, for ``take_events``.
+"""The pool's KV events in vLLM's types (``events.py`` decides them in plain Python): the ranks'
+``SavedParts`` ride vLLM's worker -> scheduler metadata (``SavedPartsMetadata``), and ``to_vllm``
+turns ``Stored`` / ``Removed`` into ``BlockStored`` / ``BlockRemoved`` with the backend's medium.
 """
 
 from __future__ import annotations
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
+from dataclasses import dataclass
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from vllm_aio.connector.events import Removed, SavedParts, Stored
@@ -19,31 +17,17 @@ from vllm_aio.connector.events import Removed, SavedParts, Stored
 _GROUP = 0
 
 
-class SavedPartsEvents(KVConnectorKVEvents):
-    """Ranks' settled saves of one step. Every report counts (a rank stores only its shard),
-    so there is no quorum over workers as in vLLM's own aggregators."""
+@dataclass
+class SavedPartsMetadata(KVConnectorWorkerMetadata):
+    """Ranks' settled saves of one step, from ``build_connector_worker_meta`` to the scheduler's
+    ``update_connector_output``. vLLM's output aggregator folds the ranks' with ``aggregate``; every
+    report counts (a rank stores only its shard), so there is no quorum over workers."""
 
-    def __init__(self, reports: list[SavedParts]) -> None:
-        self.reports = reports
-        self._workers = 1
+    reports: list[SavedParts]
 
-    def add_events(self, events: list) -> None:
-        self.reports.extend(events)
-
-    def aggregate(self) -> SavedPartsEvents:
-        return self
-
-    def increment_workers(self, count: int = 1) -> None:
-        self._workers += count
-
-    def get_all_events(self) -> list:
-        return self.reports
-
-    def get_number_of_workers(self) -> int:
-        return self._workers
-
-    def clear_events(self) -> None:
-        self.reports = []
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> SavedPartsMetadata:
+        assert isinstance(other, SavedPartsMetadata)
+        return SavedPartsMetadata(self.reports + other.reports)
 
 
 def to_vllm(events: list[Stored | Removed], medium: str) -> list[KVCacheEvent]:

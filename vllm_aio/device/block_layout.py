@@ -1,34 +1,8 @@
-"""Where one KV block's bytes live in vLLM's per-layer cache tensors.
-
-A stored value holds one block of one layer (layerwise transfer) or of every
-layer in layer order; each layer contributes one *plane* per block-indexed
-region of its tensors. vLLM's runners hand over one tensor per layer, in two
-shapes:
-
-* ``[num_blocks, ...]`` (CPU attention, MLA, block-major layouts): one plane;
-* ``[2, num_blocks, ...]`` (K and V stored apart, e.g. FlashAttention): two.
-
-vllm-ascend's NPU runner hands over a tuple (or list) per layer instead, each
-tensor ``[num_blocks x m, ...]`` a separate allocation: ``(k, v)`` for standard
-attention, ``(nope, rope)`` for MLA, with the sparse indexer's key (and scale)
-as third and fourth tensors, every one a plane, all carried; ``m`` > 1 where
-its hybrid models split a block into 128-token kernel blocks
-(``docs/ascend_layouts.md``).
-
-A plane is exposed twice: as addresses (``segments``), for backends that copy
-straight from host memory, and as a ``[num_blocks, bytes]`` byte tensor on the
-cache's device, for batched gathers and scatters (never one copy per block:
-per-block copies left most of the link idle). On CUDA one kernel
-moves a batch's every plane (``plane_copy.py``); elsewhere one index op per
-plane and batch.
-
-``gather_planes`` and ``scatter_planes`` are the host fast paths (the dynamic
-buffer's host copy): one ``host_copy.copy_rows`` per plane, straight into the
-destination, on the copy threads. ``gather`` allocates ``index_select``'s
-result and copies it again, and ``index_copy_`` on the CPU copies element by
-element: both well below numpy's take and fancy assignment. ``copy_rows``
-copies as fast as those did and takes strided planes as they are, where
-numpy's take first copied the whole plane (``docs/benchmarks.md``).
+"""Where one KV block's bytes live in vLLM's per-layer cache tensors (or vllm-ascend's tuples of
+tensors): each layer contributes one plane per block-indexed region, exposed as addresses
+(``segments``) for backends that copy from host memory and as a ``[num_blocks, bytes]`` byte tensor
+for batched gathers and scatters. The shapes and why the copies are batched:
+``docs/architecture.md``, "Block layout".
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Slices are handed out ring-wise: transfers finish roughly in the order they
 started, so a slice freed out of order only waits for the older ones ahead of
 it. When the ring is full, ``allocate`` waits (bounded) for a release, or not
 at all where the caller says so: a save whose staging only earlier saves' puts
-hold is dropped (``connector/block_io/staging_save.py``), so a slow pool
+hold is dropped (``connector/worker/block_io/staging_save.py``), so a slow pool
 neither grows memory without limit nor slows the forward down. A slice still
 read or filled by a device copy is released *after* that copy's event: it
 returns to the ring once the event has completed, and an allocation that finds
@@ -44,7 +44,7 @@ class Slice:
 
 class StagingBuffer:
     """``on_device``: the buffer is device memory instead (a backend that moves device memory
-    itself reads and writes it there: ``connector/block_io/in_place.py``)."""
+    itself reads and writes it there: ``connector/worker/block_io/in_place.py``)."""
 
     def __init__(self, device: Device, nbytes: int, on_device: bool = False) -> None:
         self.buffer = device.empty(nbytes) if on_device else device.host_buffer(nbytes)

@@ -1,38 +1,8 @@
-"""The caller's side of a migration: what an RL controller or a router runs, given two instances by URL.
-
-``move_kv`` moves the KV of one token sequence (prompt + tokens generated so
-far) from a source instance's pool to a target's, in the protocol's order:
-
-1. ``flush`` on the source: the running request's full blocks, generated ones
-   included, stored in its pool. First, because the request keeps decoding on
-   the source meanwhile: one that finishes before its blocks are stored cannot
-   be moved (the source then simply completes it);
-2. ``session`` on both: same namespace (model, dtypes, block size, parallel
-   shape, salt, weight version) and block hash seed, or nothing is reserved;
-3. ``extra_size`` on the target: blocks it has already, blocks it lacks;
-4. ``allocate`` on the target: slots reserved for the lacking blocks (none
-   when both instances share one store: the flush already put them there);
-5. ``transfer`` on the source: peer-to-peer writes into those slots;
-6. ``commit`` on the target: published in prefix order; the target's pool now
-   holds the sequence's blocks.
-A failure after step 4 aborts the reservation; every failure raises
-``MigrationError`` with the instance and operation that refused, and leaves
-the request running on the source.
-
-``generate_migrating`` drives a whole request: it streams the completion
-from the source, moves its KV after ``migrate_after`` tokens, aborts it on the
-source (closing the stream) and resumes it on the target as prompt + generated
-tokens with the remaining ``max_tokens``. The move waits for a block boundary
-(up to ``block_size - 1`` more tokens on the source): when the sequence is one
-token past a whole block, every token but the newest has its KV in a full
-block that moves, and the target computes one token, just as the source's
-next decode step would have. Moving mid-block would make the target
-recompute the partial block's tokens in one prefill chunk, whose rounding
-differs from the decode steps that computed them on the source; with nearly
-tied logits (a small random model) that alone can flip a greedy token. The caller sees one coherent generation: the tokens before the
-move followed by the continuation. Greedy decoding continues exactly;
-sampling with a seed, penalties counting output tokens, grammars and stop
-strings spanning the move do not (their state is not migrated).
+"""The caller's side of a migration, given two instances by URL: ``move_kv`` moves one token
+sequence's KV in the protocol's order (flush, session, extra_size, allocate, transfer, commit;
+a failure raises ``MigrationError`` and leaves the request on the source), and
+``generate_migrating`` streams a request, moves it at a block boundary and resumes it on the target.
+The order and what continues exactly: ``docs/migration.md``, "The driver".
 """
 
 from __future__ import annotations

@@ -1,54 +1,9 @@
-"""Peer-to-peer writes between embedded pools: this process's TransferEngine and the one region it serves.
-
-A migrating request's KV blocks go from the source instance's embedded pool
-straight into slots the target reserved in its own pool, on another host. That
-is Mooncake's TransferEngine: a one-sided write from registered memory into a
-peer's registered memory, over tcp here and RDMA or Ascend links where the
-hosts have them (``protocol`` is passed through), with no store, no master and
-no metadata server (``P2PHANDSHAKE``: a peer is named ``host:rpc_port``). Each
-process registers its pool's slot data once (``SharedHostPool.region()``);
-``PeerLink.write`` moves lists of ``(local, remote, length)`` spans.
-
-What TransferEngine does, with mooncake-transfer-engine-non-cuda 0.3.13.post1
-over tcp (``benchmarks/transport.py`` measures it; the figures are in
-docs/benchmarks.md, "Figures behind the code's choices"):
-
-* A batch costs a fixed setup plus a cost per descriptor, so spans are
-  coalesced first: a span whose local and remote addresses both continue the
-  previous one joins it (the pool hands out a batch's slots back to back where
-  it can, so whole runs become one descriptor). Large descriptors run many
-  times faster than scattered small ones, and all well below memcpy.
-* The tcp transport queues about 2,048 requests per peer. A batch of 2,100
-  fails (rc -1, "TCP lane queue-full rejection") and leaves the link to that
-  peer broken for the life of the engine: every later write to it fails, after
-  ~1 s each. Batches therefore hold at most ``MAX_BATCH_DESCRIPTORS`` (half
-  that queue), and batches to one peer never overlap (see "Threads").
-* A batch's duration is bounded too (``MAX_BATCH_BYTES``, tens of milliseconds).
-  The deadline is checked before each batch, so no batch starts after it; one
-  started just before it ends about a batch's duration later.
-* A write into memory the peer has not registered, to an unknown session or
-  to a peer that exited fails fast (a second write to a dead peer waits for
-  the transport's reconnect round, a span straddling the end of the peer's
-  region a little longer). A peer that stops answering (SIGSTOP, lost
-  network) holds the write until TransferEngine's transfer timeout: ``MC_TRANSFER_TIMEOUT``
-  seconds (at least 5; we use 5 unless the user set it, Mooncake's default is
-  30) plus one second per GiB of the batch.
-* The synchronous batch call releases the GIL but busy-polls for completion:
-  a write keeps one core busy for its whole duration.
-
-On failure ``write`` raises ``TransferError`` and the reserved slots hold
-garbage: the target must not commit them. Bytes of the failed batch may still
-land later (a peer stopped past the transfer timeout received all 16 MiB of
-the failed batch once resumed: it reads what its socket holds), so the
-target must not reuse those slots for other values before the source has
-given up: its watchdog must outlast the source's deadline by at least the
-transfer timeout above.
-
-Threads: one engine per process (each costs threads, a port and ~1 s to close),
-called from any thread. Batches to one peer are serialised (a lock per session
-id, taken per batch, so concurrent writes to one peer interleave batch by
-batch); batches to different peers run in parallel. ``close`` waits for the
-batches in flight, then unregisters the region and releases the engine.
+"""Peer-to-peer writes between embedded pools: this process's Mooncake TransferEngine, serving its
+pool's slot data, writes ``(local, remote, length)`` spans into slots a target reserved. Spans are
+coalesced, batches bounded in descriptors and bytes, deadlines checked before each batch, batches to
+one peer serialised. A failed write raises ``TransferError``; its bytes may still land, so a target
+must not reuse the slots before the source gave up. What TransferEngine does that shaped this:
+``docs/migration.md``, "The transport".
 """
 
 from __future__ import annotations

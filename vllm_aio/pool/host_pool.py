@@ -1,42 +1,9 @@
-"""A bounded host-memory block store shared by the processes of one machine, keyed by ids.
-
-vLLM runs the scheduler in the engine-core process and, with TP > 1, each
-worker in a process of its own; all of them must see one pool (the scheduler
-asks "is it there?", the workers copy bytes in and out). The pool is therefore
-one file in ``/dev/shm`` that every process maps (``shm_file.py``: its life,
-lock and pid table; ``layout.py``: its regions). This module is the store
-itself, on ids only (``ids.py`` mixes them from keys and block hashes):
-
-* Every value has the same size (one rank's bytes of one KV block), so memory
-  is an array of fixed slots: no fragmentation, O(1) allocation, and eviction
-  is "least recently used READY slot of the lowest retention class": a value
-  carries the class of the request that stored it (from its vLLM priority,
-  ``priority_cutoffs``), raised when a request of a higher class stores it again.
-* Block records answer the scheduler's question, "how many leading blocks
-  have every part stored?", with one probe per block instead of one per part
-  (shards x layers): a second open-addressed table keyed by the block's record
-  id counts the block's READY values. ``commit`` adds one, eviction takes one
-  away, so a record is exact at every moment the lock is free. Values that
-  are not of a block (record id hi 0) have no record.
-* A lease puts values at the back of their class's eviction order until a
-  deadline (``lease_ids``): the scheduler leases the blocks it promises to a
-  load, so the saves between its lookup and the worker's read evict every other
-  value of that class first. A lease never refuses a save and never outranks a
-  retention class. Deadlines are ``CLOCK_MONOTONIC`` times, one clock for every
-  process of the host.
-* An eviction log tells any attached process which blocks lost a value, so
-  an instance can report ``BlockRemoved`` for blocks evicted by another
-  process (a worker's put, another instance sharing the pool): the k-th
-  eviction writes its block record's id at entry ``k % num_slots``, and a
-  reader keeps its own count of evictions read (``evicted_since``).
-* Index and metadata change under the pool's lock; copies run outside it. A
-  reader never blocks a writer: it notes the slot's version, copies, and
-  rechecks the version, so a slot evicted and rewritten mid-copy is reported
-  CORRUPT (the caller recomputes) instead of being served torn.
-
-The loops over ids under the lock (index, block records, eviction order) are
-compiled (``pool/index_ops.py``), so a batch costs well under a microsecond a
-value and copies run at memcpy speed (``docs/benchmarks.md``).
+"""A bounded host-memory block store shared by the processes of one machine, keyed by ids: one file
+in ``/dev/shm`` (``shm_file.py``, ``layout.py``) that the scheduler and every worker map, fixed-size
+slots, block records counting each block's stored parts, leases, retention classes and eviction
+(``eviction.py``). Index and metadata change under the pool's lock; copies run outside it, and a
+reader rechecks a slot's version after its copy. The design: ``docs/architecture.md``, "The
+embedded pool's store".
 """
 
 from __future__ import annotations
@@ -47,10 +14,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from vllm_aio.pool import index_ops
+from vllm_aio.pool.eviction import Eviction
 from vllm_aio.pool.ids import BlockGroups, ValueIds, namespace_groups, value_ids
 from vllm_aio.pool.index_ops import FREE, READY, WRITING
-from vllm_aio.pool.layout import (H_CLOCK, H_EVICTIONS, H_HITS, H_LOOKUPS, H_NEXT_UNUSED, H_NUM_READY, PoolUsage,
-                                  usage_of)
+from vllm_aio.pool.layout import H_CLOCK, H_HITS, H_LOOKUPS, H_NEXT_UNUSED, H_NUM_READY, PoolUsage, usage_of
 from vllm_aio.pool.shm_file import PoolFile
 
 # ``reserve_ids``, per value: instead of a slot, "stored already" or "no room".
@@ -75,14 +42,14 @@ class SharedHostPool:
         self._clock = clock
         self.layout = self._file.layout
         self._map_arrays(self._file)
+        self._eviction = Eviction(self._file, clock)
         self._data_addr = self._data.ctypes.data
         self._closed = False
 
     def _map_arrays(self, file: PoolFile | None) -> None:
         """The metadata arrays and the slots as numpy views of the mapping (None: drop them)."""
         for region in ("header", "table", "key_hi", "key_lo", "version", "last_used", "retention", "lease_until",
-                       "state", "slot_group_hi", "slot_group_lo", "group_hi", "group_lo", "group_parts",
-                       "evicted_hi", "evicted_lo", "data"):
+                       "state", "slot_group_hi", "slot_group_lo", "group_hi", "group_lo", "group_parts", "data"):
             setattr(self, f"_{region}", None if file is None else file.view(region))
         # The groups of arrays ``index_ops`` works on.
         self._index = (self._table, self._key_hi, self._key_lo)
@@ -106,9 +73,7 @@ class SharedHostPool:
         self.reserve_ids(none, no_blocks)
         self.commit([])
         self.block_parts(no_blocks)
-        with self._file.locked():
-            index_ops.eviction_order(self._state, self._retention, self._lease_until, self._last_used, self._clock())
-            self._drop_ready(np.zeros(0, dtype=np.int64))
+        self._eviction.warm_up()
 
     def seal(self) -> None:
         """Unlink the pool's name now (``PoolFile.seal``); attached processes keep their mappings."""
@@ -121,6 +86,7 @@ class SharedHostPool:
         self._closed = True
         self._file.detach()
         self._map_arrays(None)  # numpy views of the mapping would keep it open
+        self._eviction.close()
         self._file.unmap()
 
     # ---- allocation ------------------------------------------------------
@@ -134,35 +100,10 @@ class SharedHostPool:
         if len(slots) < count:
             slots = np.concatenate((slots, np.flatnonzero(state[:start] == FREE)[: count - len(slots)]))
         if len(slots) < count:
-            slots = np.concatenate((slots, self._evict(count - len(slots))))
+            slots = np.concatenate((slots, self._eviction.victims(count - len(slots))))
         state[slots] = WRITING
         self._version[slots] += 1
         return slots
-
-    def _evict(self, count: int) -> np.ndarray:
-        # Lowest class first, then values leased to a load that has not read them
-        # yet (``lease_ids``) last, then LRU (``index_ops.eviction_order``). In slot
-        # order: a batch's values then lie back to back where they can, so a direct
-        # load finds them in runs it moves by DMA (``connector/block_io/mapped_slots.py``).
-        ready, order = index_ops.eviction_order(self._state, self._retention, self._lease_until, self._last_used,
-                                                self._clock())
-        if not len(ready):
-            return ready
-        # numpy's partition: numba's took seconds more to compile than all the rest.
-        victims = np.sort(ready[np.argpartition(order, min(count, len(ready)) - 1)[:count]])
-        self._drop_ready(victims)
-        return victims
-
-    def _drop_ready(self, slots: np.ndarray) -> None:
-        """Take READY values out of the index and the block records; the caller decides the slots' state."""
-        index_ops.drop(self._index, self._records, self._slot_groups, slots)
-        # Logged for readers of this pool's evictions (KV events' BlockRemoved, ``backends/local.py``).
-        log = (int(self._header[H_EVICTIONS]) + np.arange(len(slots))) % self.layout.num_slots
-        self._evicted_hi[log], self._evicted_lo[log] = self._slot_group_hi[slots], self._slot_group_lo[slots]
-        # Counted as evictions: the eviction counter is the presence epoch (backends/local.py),
-        # which tells schedulers that values they counted may be gone.
-        self._header[H_EVICTIONS] += len(slots)
-        self._header[H_NUM_READY] -= len(slots)
 
     # ---- public API --------------------------------------------------------
     @property
@@ -189,7 +130,7 @@ class SharedHostPool:
                 ready = start + np.flatnonzero(self._state[start:stop] == READY)
                 if len(wanted):
                     ready = ready[(rows[ready, : len(wanted)] == wanted).all(axis=1)]
-                self._drop_ready(ready)
+                self._eviction.drop(ready)
                 self._state[ready] = FREE
             evicted += len(ready)
             start = stop
@@ -304,20 +245,8 @@ class SharedHostPool:
             return index_ops.record_parts(self._records, groups.hi, groups.lo)
 
     def evicted_since(self, seen: int) -> tuple[int, BlockGroups | None]:
-        """(evictions so far, the block record ids of the values evicted after the first ``seen``).
-
-        None instead of the ids when more than the log holds were evicted
-        since (the whole pool turned over): the caller rechecks its blocks.
-        Ids repeat (one per value) and include 0s for values without a record.
-        """
-        if int(self._header[H_EVICTIONS]) == seen:  # the usual step: no lock, nothing to copy
-            return seen, BlockGroups(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-        with self._file.locked():
-            now = int(self._header[H_EVICTIONS])
-            if now - seen > self.layout.num_slots:
-                return now, None
-            log = np.arange(seen, now) % self.layout.num_slots
-            return now, BlockGroups(self._evicted_hi[log], self._evicted_lo[log])
+        """(evictions so far, the block record ids of the values evicted after the first ``seen``): ``Eviction``'s."""
+        return self._eviction.evicted_since(seen)
 
     def still_valid(self, slot: int, version: int) -> bool:
         """Whether a slot read since ``pin_ids`` was not reused meanwhile."""

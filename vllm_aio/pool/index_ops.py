@@ -27,7 +27,7 @@ the process ran Python, holding the lock that every other process waits for.
 Compiling every function here costs seconds once per machine (the first
 reserve, commit and eviction of a process); later processes load them from
 the cache. numba's ``np.partition`` alone took longer to compile than all the
-rest, so eviction's selection stays numpy's (``SharedHostPool._evict``).
+rest, so eviction's selection stays numpy's (``Eviction.victims``).
 """
 
 from __future__ import annotations

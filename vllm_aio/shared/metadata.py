@@ -29,7 +29,7 @@ class BlockTransfer:
     first_index: int  # position of block_ids[0] in the request: decides its owner rank
     retention: int = 0  # saves: the request's retention class (from its priority, ``priority_cutoffs``)
     # Saves: the blocks loaded in this step that the request's forward reads. If one of them
-    # fails to load, the KV the request computes is wrong and is not saved (``connector/loads.py`` ``StepLoads``).
+    # fails to load, the KV the request computes is wrong and is not saved (``connector/worker/loads.py`` ``StepLoads``).
     reads: array = field(default_factory=lambda: array("i"))
 
     @classmethod

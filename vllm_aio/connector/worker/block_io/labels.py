@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from vllm_aio.backends import Status
-from vllm_aio.connector.block_io.blocks import BlockRef
+from vllm_aio.connector.worker.block_io.blocks import BlockRef
 from vllm_aio.device.block_layout import BlockLayout
 from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import HASH_PREFIX_BYTES, HEADER_BYTES, EntryHeader, describe

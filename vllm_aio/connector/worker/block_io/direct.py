@@ -3,7 +3,7 @@
 Where the backend keeps values in slots of a host mapping the device can map
 (the embedded pool, on the CPU and on CUDA), there is no staging: one gather
 kernel per chunk reads the slots, one scatter writes them
-(``connector/block_io/mapped_slots.py``).
+(``connector/worker/block_io/mapped_slots.py``).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from vllm_aio.backends import Status
-from vllm_aio.connector.block_io.base import BlockIO, CopyHandoff, Loaded, chunks
-from vllm_aio.connector.block_io.blocks import BlockRef, DistinctBlocks
-from vllm_aio.connector.block_io.labels import ValueLabels
-from vllm_aio.connector.block_io.mapped_slots import MappedSlots, SlotLoad
+from vllm_aio.connector.worker.block_io.base import BlockIO, CopyHandoff, Loaded, chunks
+from vllm_aio.connector.worker.block_io.blocks import BlockRef, DistinctBlocks
+from vllm_aio.connector.worker.block_io.labels import ValueLabels
+from vllm_aio.connector.worker.block_io.mapped_slots import MappedSlots, SlotLoad
 from vllm_aio.device.accelerator import Device
 from vllm_aio.pool.host_pool import SLOT_STORED
 from vllm_aio.pool.keys import Unit

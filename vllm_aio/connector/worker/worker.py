@@ -25,29 +25,34 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from vllm_aio import vllm_compat
 from vllm_aio.backends import Backend
 from vllm_aio.buffer.participant import BufferHooks, NoBuffer, open_buffer
 from vllm_aio.config import AioConfig, TransferMode
-from vllm_aio.connector.block_io import BlockIO, open_block_io
-from vllm_aio.connector.events import SavedParts, SettledSaves
-from vllm_aio.connector.loads import BeforeBuffer, BeforeForward, InBackground, Layerwise, LoadReport, Loads
-from vllm_aio.connector.saves import LayerwiseSaves, Saves, WholeBlockSaves
+from vllm_aio.connector.worker.block_io import BlockIO, open_block_io
+from vllm_aio.connector.events import SavedParts, SettledSaves, kv_events_on
+from vllm_aio.connector.worker.loads import BeforeBuffer, BeforeForward, InBackground, Layerwise, LoadReport, Loads
+from vllm_aio.connector.worker.saves import LayerwiseSaves, Saves, WholeBlockSaves
 from vllm_aio.connector.stats import AioConnectorStats
-from vllm_aio.connector.transfer import TransferThread
+from vllm_aio.connector.worker.transfer import TransferThread
+from vllm_aio.device.amx_permission import AmxPermission, ensure_amx_for_cpu_attention
 from vllm_aio.device.block_layout import LayerCache, check_groups_alias
 from vllm_aio.log import get_logger
 from vllm_aio.pool.entry import EntryHeader
 from vllm_aio.pool.ownership import Ownership
 from vllm_aio.shared.deployment import Deployment
-from vllm_aio.shared.metadata import AioConnectorMetadata
+from vllm_aio.shared.metadata import AioConnectorMetadata, WorkerFacts
 
 logger = get_logger(__name__)
 
 
 class AioWorker:
     def __init__(
-        self, deployment: Deployment, backend: Backend, ownership: Ownership, cfg: AioConfig, kv_events: bool = False
+        self, deployment: Deployment, backend: Backend, ownership: Ownership, cfg: AioConfig, kv_events: bool = False,
+        amx: AmxPermission | None = None, facts: WorkerFacts | None = None,
     ) -> None:
+        """``amx``: the tile permission asked for vLLM's CPU attention (logged at registration).
+        ``facts``: what this worker tells the scheduler at start, where vLLM's config does not say it."""
         self._dep = deployment
         self._backend = backend
         self._owner = ownership
@@ -68,9 +73,28 @@ class AioWorker:
         self._report: LoadReport | None = None
         self._loads: Loads | None = None
         self._saves: Saves | None = None
+        self._amx = amx
+        self.facts = facts
+
+    @classmethod
+    def start(cls, vllm_config: Any, kv_cache_config: Any, cfg: AioConfig, dep: Deployment,
+              backend: Backend) -> AioWorker:
+        """The worker half as vLLM starts it: its ranks, the AMX permission on vLLM's CPU platform (asked
+        before the first forward), and its facts. Built after the model, so after its attention backend
+        chose the KV cache layout that ``facts`` carries where vLLM's config records none (before 0.32)."""
+        amx = ensure_amx_for_cpu_attention() if vllm_compat.on_cpu_platform() else None
+        facts = None
+        if not vllm_compat.records_kv_cache_layout(kv_cache_config):
+            facts = WorkerFacts(kv_layout=dep.namespace.kv_layout)
+        ownership = Ownership(dep.topology(**vllm_compat.parallel_ranks()))
+        return cls(dep, backend, ownership, cfg, kv_events_on(vllm_config, dep.save_enabled), amx, facts)
 
     def register_kv_caches(self, kv_caches: dict[str, LayerCache], num_blocks: int, vllm_config: Any = None) -> None:
         """``vllm_config``: where the dynamic buffer finds the attention layers (resident blocks)."""
+        if self._amx is not None:  # which kernels vLLM's CPU attention chose: the log says which path ran
+            isas = vllm_compat.attention_isas(vllm_config, kv_caches)
+            logger.info("vllm_aio: CPU attention kernels %s; AMX tiles %s%s", "/".join(isas), self._amx.state.value,
+                        f" ({self._amx.reason})" if self._amx.reason else "")
         if self._dep.hybrid:  # blocks of every group are read through group 0's layers
             check_groups_alias(kv_caches, [g.layer_names for g in self._dep.groups])
         self._buffer = open_buffer(self._dep, self._cfg.staging_buffer_size, kv_caches, num_blocks, vllm_config)

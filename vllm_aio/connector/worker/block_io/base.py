@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_aio.backends import Status
-from vllm_aio.connector.block_io.blocks import BlockRef, DistinctBlocks
-from vllm_aio.connector.block_io.labels import ValueLabels
+from vllm_aio.connector.worker.block_io.blocks import BlockRef, DistinctBlocks
+from vllm_aio.connector.worker.block_io.labels import ValueLabels
 from vllm_aio.device.accelerator import Device
 from vllm_aio.device.staging import even_ranges
 from vllm_aio.pool.keys import Unit

@@ -32,8 +32,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from vllm_aio.backends import Status
-from vllm_aio.connector.block_io import Batch, BlockIO, BlockRef, DistinctBlocks, Loaded
-from vllm_aio.connector.transfer import TransferThread
+from vllm_aio.connector.worker.block_io import Batch, BlockIO, BlockRef, DistinctBlocks, Loaded
+from vllm_aio.connector.worker.transfer import TransferThread
 from vllm_aio.log import get_logger
 from vllm_aio.pool.keys import Unit
 from vllm_aio.pool.ownership import Ownership

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_aio.config import TransferMode
-from vllm_aio.connector.leases import Leases
-from vllm_aio.connector.lookups import PoolLookups
+from vllm_aio.connector.scheduler.leases import Leases
+from vllm_aio.connector.scheduler.lookups import PoolLookups
 from vllm_aio.shared.deployment import Deployment
 from vllm_aio.shared.keying import PoolKeying
 from vllm_aio.shared.metadata import BlockTransfer, LookupCounts

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm_aio.connector.events import KVEvents
-from vllm_aio.connector.load_plan import first_held
+from vllm_aio.connector.scheduler.load_plan import first_held
 from vllm_aio.shared.deployment import Deployment
 from vllm_aio.shared.keying import PoolKeying
 from vllm_aio.shared.metadata import BlockTransfer

@@ -6,7 +6,8 @@ touches KV bytes. Per step it turns vLLM's scheduling decisions into an
 (pool hits beyond vLLM's own prefix cache) and the blocks that become full
 during the forward and get saved.
 
-``AioScheduler`` only routes vLLM's calls; each concern is a module of its own:
+``AioScheduler.start`` builds what the half owns (KV events, migrations' flush requests and
+service, the start line: ``start_log.py``); then it only routes vLLM's calls; each concern is a module of its own:
 the keys (``shared/keying.py``), lookups (``lookups.py``), leases of promised blocks
 (``leases.py``), loads and their failures (``load_plan.py``), saves and
 rescues of running requests (``save_plan.py``), the dynamic buffer's step
@@ -23,25 +24,29 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from vllm_aio.backends import Backend
-from vllm_aio.errors import ConfigError
 from vllm_aio.buffer.planner import buffer_planner
-from vllm_aio.connector.events import KVEvents
-from vllm_aio.connector.leases import Leases
-from vllm_aio.connector.load_plan import LoadPlanner
-from vllm_aio.connector.lookups import PoolLookups
-from vllm_aio.connector.save_plan import SavePlanner
+from vllm_aio.config import AioConfig
+from vllm_aio.connector.events import KVEvents, Removed, SavedParts, Stored, kv_events_on
+from vllm_aio.connector.scheduler.leases import Leases
+from vllm_aio.connector.scheduler.load_plan import LoadPlanner
+from vllm_aio.connector.scheduler.lookups import PoolLookups
+from vllm_aio.connector.scheduler.save_plan import SavePlanner
+from vllm_aio.connector.scheduler.start_log import log_start
+from vllm_aio.errors import ConfigError
+from vllm_aio.log import get_logger
+from vllm_aio.migration.flushes import FlushRequests
 from vllm_aio.pool.keys import BlockParts
 from vllm_aio.shared.deployment import Deployment
 from vllm_aio.shared.keying import PoolKeying
-from vllm_aio.log import get_logger
 from vllm_aio.shared.metadata import AioConnectorMetadata, WorkerFacts
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-    from vllm_aio.migration.flushes import FlushRequests
+    from vllm_aio.migration.service import MigrationService
 
 logger = get_logger(__name__)
 
@@ -61,6 +66,28 @@ class AioScheduler:
         self._saves = SavePlanner(deployment, self.keying, events)
         self._buffer = buffer_planner(deployment)
         self._flushes = flushes
+        self._events = events
+        self._migration: MigrationService | None = None
+
+    @classmethod
+    def start(cls, vllm_config: "VllmConfig", cfg: AioConfig, dep: Deployment, backend: Backend) -> AioScheduler:
+        """The scheduler half as vLLM starts it, with what it owns: KV events, the migrations' flush
+        requests and the migration service (``migration`` on)."""
+        events = None
+        if kv_events_on(vllm_config, dep.save_enabled):
+            events = KVEvents(dep.block_size, backend.block_watch(), cfg.transfer_timeout)
+        flushes = FlushRequests() if cfg.migration else None  # the migration control asks, the scheduler saves
+        scheduler = cls(dep, backend, events, max_lease_seconds=cfg.transfer_timeout, flushes=flushes)
+        transfer = vllm_config.kv_transfer_config
+        log_start(cfg, dep, transfer, backend)
+        if flushes is not None:
+            from vllm_aio.migration.service import MigrationService  # numpy, an HTTP server: only when on
+
+            scheduler._migration = MigrationService.start(
+                scheduler.keying, flushes, backend, dep, cfg,
+                vllm_config.cache_config.prefix_caching_hash_algo, transfer.kv_role, transfer.engine_id,
+            )
+        return scheduler
 
     @property
     def parts(self) -> BlockParts:
@@ -112,9 +139,21 @@ class AioScheduler:
             for req_id, num_blocks in self._flushes.match(self._saves.running()).items():
                 self._saves.flush(req_id, num_blocks)
 
-    def update_connector_output(self, invalid_block_ids: set[int], failed_req_ids: set[str] = frozenset()) -> None:
-        """Count the hit tokens the pool promised and the workers could not load (``LoadPlanner.failed``)."""
+    def update_connector_output(self, invalid_block_ids: set[int], failed_req_ids: set[str] = frozenset(),
+                                saved: Iterable[SavedParts] = ()) -> None:
+        """Count the hit tokens the pool promised and the workers could not load (``LoadPlanner.failed``);
+        ``saved``: the ranks' settled saves, for KV events."""
         self._loads.failed(invalid_block_ids, failed_req_ids)
+        if self._events is not None:
+            self._events.saved(saved, self.parts)
+
+    @property
+    def event_medium(self) -> str:
+        return self._backend.event_medium
+
+    def take_events(self) -> list[Stored | Removed]:
+        """The pool's blocks announced stored or removed since the last call (none with KV events off)."""
+        return self._events.take(self.parts) if self._events is not None else []
 
     def request_finished(self, request: "Request", block_ids: "list[int] | tuple[list[int], ...]") -> tuple[bool, None]:
         # Saves finished within the step that computed the blocks: nothing holds them back.
@@ -128,5 +167,7 @@ class AioScheduler:
         self._buffer.release(req_id)
 
     def close(self) -> None:
+        if self._migration is not None:
+            self._migration.close()
         self._backend.close()
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from vllm_aio.backends import Backend, Status
-from vllm_aio.connector.block_io.base import BlockIO, CopyHandoff, chunks
-from vllm_aio.connector.block_io.blocks import BlockRef
-from vllm_aio.connector.block_io.labels import ValueLabels
-from vllm_aio.connector.transfer import TransferThread
+from vllm_aio.connector.worker.block_io.base import BlockIO, CopyHandoff, chunks
+from vllm_aio.connector.worker.block_io.blocks import BlockRef
+from vllm_aio.connector.worker.block_io.labels import ValueLabels
+from vllm_aio.connector.worker.transfer import TransferThread
 from vllm_aio.device.accelerator import Device
 from vllm_aio.device.staging import Slice, StagingBuffer
 from vllm_aio.log import get_logger

@@ -31,10 +31,10 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 
 from vllm_aio.backends import Status
-from vllm_aio.connector.block_io import Batch, BlockIO, BlockRef, CopyHandoff
+from vllm_aio.connector.worker.block_io import Batch, BlockIO, BlockRef, CopyHandoff
 from vllm_aio.connector.events import SettledSaves
-from vllm_aio.connector.loads import StepLoads
-from vllm_aio.connector.transfer import TransferThread
+from vllm_aio.connector.worker.loads import StepLoads
+from vllm_aio.connector.worker.transfer import TransferThread
 from vllm_aio.log import get_logger
 from vllm_aio.pool.keys import Unit
 from vllm_aio.pool.ownership import Ownership

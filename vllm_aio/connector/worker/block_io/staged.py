@@ -26,10 +26,10 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from vllm_aio.backends import Backend, Status
-from vllm_aio.connector.block_io.base import Loaded, chunks
-from vllm_aio.connector.block_io.blocks import BlockRef, DistinctBlocks
-from vllm_aio.connector.block_io.labels import ValueLabels, check_headers
-from vllm_aio.connector.block_io.staging_save import Copied, SavesThroughStaging
+from vllm_aio.connector.worker.block_io.base import Loaded, chunks
+from vllm_aio.connector.worker.block_io.blocks import BlockRef, DistinctBlocks
+from vllm_aio.connector.worker.block_io.labels import ValueLabels, check_headers
+from vllm_aio.connector.worker.block_io.staging_save import Copied, SavesThroughStaging
 from vllm_aio.device.accelerator import Device
 from vllm_aio.device.block_layout import BlockLayout
 from vllm_aio.device.staging import Slice, StagingBuffer

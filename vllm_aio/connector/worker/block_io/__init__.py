@@ -22,13 +22,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from vllm_aio.backends import Backend, Memory
-from vllm_aio.connector.block_io.base import BlockIO, CopyHandoff, Loaded, chunk_rows
-from vllm_aio.connector.block_io.blocks import Batch, BlockRef, DistinctBlocks
-from vllm_aio.connector.block_io.direct import DirectPath
-from vllm_aio.connector.block_io.in_place import InPlacePath
-from vllm_aio.connector.block_io.labels import ValueLabels
-from vllm_aio.connector.block_io.mapped_slots import MappedSlots
-from vllm_aio.connector.block_io.staged import StagedPath
+from vllm_aio.connector.worker.block_io.base import BlockIO, CopyHandoff, Loaded, chunk_rows
+from vllm_aio.connector.worker.block_io.blocks import Batch, BlockRef, DistinctBlocks
+from vllm_aio.connector.worker.block_io.direct import DirectPath
+from vllm_aio.connector.worker.block_io.in_place import InPlacePath
+from vllm_aio.connector.worker.block_io.labels import ValueLabels
+from vllm_aio.connector.worker.block_io.mapped_slots import MappedSlots
+from vllm_aio.connector.worker.block_io.staged import StagedPath
 from vllm_aio.device.accelerator import Device
 from vllm_aio.device.block_layout import BlockLayout, LayerCache
 from vllm_aio.device.staging import StagingBuffer
