@@ -15,7 +15,7 @@ import pytest
 from vllm_aio.backends.local import LocalBackend
 from vllm_aio.pool import reaper
 from vllm_aio.pool.host_pool import SharedHostPool
-from vllm_aio.pool.shm_file import SHM_DIR
+from vllm_aio.pool.shm_file import SHM_DIR, free_if_abandoned
 
 SLOT = 4096
 
@@ -68,6 +68,13 @@ def test_a_pool_with_a_live_process_is_left_alone_and_the_reaper_ends_with_it(na
     pool.close()  # the last process detaching unlinks the pool; the reaper then leaves too
     watcher.join(30)
     assert not watcher.is_alive() and _files(name) == []
+
+
+def test_a_pool_detached_as_the_reaper_checks_it_leaves_no_lock_file(name):
+    # The reaper saw the pool, then its last process detached (pool and lock file unlinked) before
+    # the reaper took the lock: taking it made a new lock file, which must not outlive the check.
+    assert free_if_abandoned(name) is None
+    assert _files(name) == []
 
 
 def test_one_reaper_watches_a_pool(name):

@@ -166,6 +166,9 @@ def free_if_abandoned(name: str) -> list[int] | None:
     fd = _open_current_lock(name)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        if not pool_path(name).exists():  # detached meanwhile: the lock file this call may have made goes too
+            lock_path(name).unlink(missing_ok=True)
+            return None
         pids = _listed_pids(pool_path(name))
         if pids is None or any(map(pid_alive, pids)):
             return None
