@@ -18,8 +18,8 @@ import pytest
 # Seconds each slow file took in CI (two at a time on two cores; fixtures included). Files not named
 # here take seconds. The figures only order the files; stale ones cost balance, never a test.
 CI_SECONDS = {
-    "test_e2e_migration.py": 250,  # three servers
-    "test_e2e_load.py": 170,  # four servers
+    "test_e2e_migration.py": 300,  # three servers
+    "test_e2e_load.py": 500,  # five servers, about ten load passes
     "test_e2e_migration_priority.py": 160,  # two servers and the router
     "test_e2e_pool.py": 140,  # with the session's no-connector baseline (the first file to ask computes it)
     "test_e2e_migration_mooncake.py": 80,
