@@ -148,8 +148,7 @@ def master_metrics(pool) -> dict[str, float]:
     """The master's Prometheus counters and gauges, from its metrics port."""
     with urllib.request.urlopen(f"http://127.0.0.1:{pool.metrics_port}/metrics", timeout=5) as reply:
         lines = reply.read().decode().splitlines()
-    return {name: float(value) for name, value in
-            (line.split()[:2] for line in lines if line.startswith("master_") and len(line.split()) >= 2)}
+    return {name: float(value) for name, value, *_ in (line.split() for line in lines if line.startswith("master_"))}
 
 
 def pool_contents(pool) -> tuple[int, int]:
